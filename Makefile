@@ -1,0 +1,31 @@
+# Creates .venv with Python 3.12 and installs the project into it.
+PY312 := $(shell for p in python3.12 /root/.pyenv/versions/3.12*/bin/python3.12 /usr/local/bin/python3.12 /usr/bin/python3.12; do \
+	$$p -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1 && echo $$p && break; done)
+VENV := .venv
+PYTHON := $(VENV)/bin/python
+
+.PHONY: venv pretrain test lint gpu-test
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	@test -n "$(PY312)" || (echo "Python 3.12 not found: install python3.12 (jax 0.11.2 needs >= 3.12)"; exit 1)
+	$(PY312) -m venv $(VENV)
+	$(PYTHON) -m pip install -q --upgrade pip
+	$(PYTHON) -m pip install -q -e '.[test,bpe]'
+	touch $@
+
+# Main job on the embedded default corpus (tiny model, CPU).
+pretrain: venv
+	$(PYTHON) -m experiments.pretrain --flagfile=experiments/configs/tiny.flags
+
+lint: venv
+	$(VENV)/bin/ruff check .
+
+# CPU suite (what CI runs): lint, then every test not marked gpu.
+test: lint
+	$(PYTHON) -m pytest -m "not gpu" -q
+
+# On a GPU machine: the same numeric tests with interpret=False.
+gpu-test: venv
+	$(PYTHON) -m pytest -m gpu -q

@@ -1,0 +1,39 @@
+"""The one module that touches the Pallas Triton backend.
+
+The Triton backend is deprecated since jax 0.11 (it still works in 0.11.2). Keeping
+its imports and compiler parameters here means a later move to Mosaic GPU or
+jax_triton touches one file.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+load = pltriton.load
+store = pltriton.store
+
+
+def compiler_params(num_warps: int, num_stages: int) -> pltriton.CompilerParams:
+    """Triton launch parameters for one `pallas_call`."""
+    return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def on_gpu() -> bool:
+    """True when the default JAX backend is a CUDA GPU."""
+    return jax.default_backend() == "gpu"
+
+
+def resolve_interpret(interpret: bool | None) -> bool:
+    """`None` means: compile for the GPU when there is one, else interpret."""
+    return (not on_gpu()) if interpret is None else bool(interpret)
+
+
+def pallas_call(*args, **kwargs):
+    """`pl.pallas_call` with the backend's deprecation warning silenced."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*[Tt]riton.*", category=DeprecationWarning)
+        return pl.pallas_call(*args, **kwargs)

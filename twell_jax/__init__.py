@@ -1,0 +1,1 @@
+"""TwELL-JAX: the sparse Llama model and its training."""
