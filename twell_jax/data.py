@@ -1,0 +1,633 @@
+"""Token shards on disk and the grain pipelines that read them.
+
+Preparing (`prepare_corpus`, driven by experiments/prepare_data.py) turns documents into one
+token stream per split, `doc EOS doc EOS ...`, written as raw little-endian shards
+(`train_00000.bin`, ...) plus `meta.json`, which is written last so its presence means the
+shards are complete. Documents go to train or val by a hash of their key (a relative path, or
+`path:line` for .jsonl), so the split is deterministic and stable when documents are added.
+
+Reading cuts each shard's stream into windows of `seq_len + 1` tokens with stride `seq_len`
+(each token is a target once per epoch; windows never span shards), then a grain `MapDataset`
+takes every `process_count`-th window for this process, shuffles (seeded, reshuffled each
+epoch), repeats forever and batches. The iterator's state is a small JSON dict, saved with
+each checkpoint.
+"""
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import sys
+import sysconfig
+import uuid
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import grain
+import jax
+import numpy as np
+from absl import logging
+
+from twell_jax import tokenizer as tokenizer_lib
+
+META_FILE = "meta.json"
+TOKENIZER_FILE = "tokenizer.json"
+FORMAT_VERSION = 1
+SPLITS = ("train", "val")
+# Suffixes read when a directory is given as a corpus source; explicit files are always read.
+TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".jsonl")
+# 2**28 uint16 tokens = 512 MiB per shard: few files, each comfortably memory-mappable.
+DEFAULT_SHARD_TOKENS = 2**28
+# Documents are tokenized this many at a time (encode_batch is parallel for BPE).
+_ENCODE_CHUNK = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Where the token shards are and how batches are cut from them.
+
+    Attributes:
+      data_dir: directory holding meta.json and the shards.
+      tokenizer: tokenizer spec used if `data_dir` must be prepared ("byte" or a
+        tokenizer.json path); an existing data_dir must have been prepared with it.
+      seq_len: tokens per example S; windows hold S + 1 tokens.
+      batch_size: global batch size B over all processes; each process yields
+        B // process_count rows.
+      seed: shuffle seed.
+      shuffle: shuffle training windows (validation is never shuffled).
+      num_threads: grain prefetch threads per process.
+    """
+
+    data_dir: str = "data/stdlib_byte"
+    tokenizer: str = tokenizer_lib.BYTE_SPEC
+    seq_len: int = 256
+    batch_size: int = 16
+    seed: int = 0
+    shuffle: bool = True
+    num_threads: int = 2
+
+    def __post_init__(self):
+        if self.seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {self.seq_len}")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.num_threads < 0:
+            raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Document:
+    """One document of a corpus: `key` decides its split, `text` is tokenized."""
+
+    key: str
+    text: str
+
+
+# ----------------------------------------------------------------------------- sources
+
+
+def stdlib_root() -> Path:
+    """Returns the directory of this interpreter's Python standard library sources."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def stdlib_documents(max_bytes: int = 0) -> Iterator[Document]:
+    """Yields the standard library's *.py files: the default corpus, no download needed.
+
+    Files are sorted by relative path and `site-packages` is skipped, so the corpus depends
+    only on the Python version.
+
+    Args:
+      max_bytes: stop before the total file size would exceed this; 0 means no cap.
+    """
+    root = stdlib_root()
+    files = sorted(
+        p for p in root.rglob("*.py") if "site-packages" not in p.relative_to(root).parts
+    )
+    if not files:
+        raise FileNotFoundError(f"no *.py files under the stdlib directory {root}")
+    total = 0
+    for path in files:
+        total += path.stat().st_size
+        if max_bytes and total > max_bytes:
+            return
+        # A few stdlib test files are deliberately not UTF-8; replacing keeps every byte count.
+        text = path.read_text(encoding="utf-8", errors="replace")
+        yield Document(f"stdlib/{path.relative_to(root).as_posix()}", text)
+
+
+def file_documents(
+    paths: Sequence[str | os.PathLike], text_field: str = "text"
+) -> Iterator[Document]:
+    """Yields documents from text files, directories and .jsonl files.
+
+    A text file is one document; each non-blank line of a .jsonl file is one document (its
+    `text_field`); a directory is walked recursively (sorted, hidden entries skipped) for
+    files ending in `TEXT_SUFFIXES`. Keys are relative to the given path, so the split does
+    not depend on where the corpus lives.
+
+    Raises:
+      FileNotFoundError: a path does not exist.
+      ValueError: a .jsonl line is not a JSON object with a string `text_field`.
+    """
+    for given in paths:
+        given = Path(given)
+        if given.is_dir():
+            files = sorted(
+                p
+                for p in given.rglob("*")
+                if p.is_file()
+                and p.suffix in TEXT_SUFFIXES
+                and not any(part.startswith(".") for part in p.relative_to(given).parts)
+            )
+            for path in files:
+                yield from _read_file(
+                    path, f"{given.name}/{path.relative_to(given).as_posix()}", text_field
+                )
+        elif given.is_file():
+            yield from _read_file(given, given.name, text_field)
+        else:
+            raise FileNotFoundError(f"corpus path not found: {given}")
+
+
+def _read_file(path: Path, key: str, text_field: str) -> Iterator[Document]:
+    """Yields the document(s) of one file: one per .jsonl line, else the whole file."""
+    if path.suffix != ".jsonl":
+        yield Document(key, path.read_text(encoding="utf-8", errors="replace"))
+        return
+    with path.open(encoding="utf-8", errors="replace") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{line_no}: invalid JSON: {e}") from e
+            if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
+                raise ValueError(
+                    f"{path}:{line_no}: expected an object with a string {text_field!r} field"
+                )
+            yield Document(f"{key}:{line_no}", record[text_field])
+
+
+def is_val(key: str, val_fraction: float) -> bool:
+    """Whether the document with this key belongs to the validation split."""
+    h = int.from_bytes(hashlib.sha1(key.encode("utf-8")).digest()[:8], "little")
+    return h / 2**64 < val_fraction
+
+
+# ----------------------------------------------------------------------------- preparing
+
+
+def train_corpus_bpe(
+    documents: Iterable[Document],
+    data_dir: str | os.PathLike,
+    vocab_size: int,
+    val_fraction: float = 0.01,
+) -> tokenizer_lib.HFTokenizer:
+    """Trains a byte-level BPE on the training split of `documents`.
+
+    Validation documents (same `is_val` rule as `prepare_corpus`) are left out so that the
+    validation loss is measured on text the tokenizer has not seen.
+
+    Returns:
+      The tokenizer, saved as `data_dir/tokenizer.json`; pass it to `prepare_corpus`.
+    """
+    texts = (d.text for d in documents if not is_val(d.key, val_fraction))
+    return tokenizer_lib.train_bpe_from_texts(texts, vocab_size, Path(data_dir) / TOKENIZER_FILE)
+
+
+class _ShardWriter:
+    """Appends token ids to `<split>_NNNNN.bin` files of at most `shard_tokens` tokens."""
+
+    def __init__(self, out_dir: Path, split: str, dtype: np.dtype, shard_tokens: int):
+        self._out_dir, self._split, self._dtype = out_dir, split, dtype
+        self._shard_tokens = shard_tokens
+        self.shards: list[dict[str, Any]] = []
+        self.num_docs = 0
+        self._file = None
+
+    def write_doc(self, ids: np.ndarray, eos_id: int):
+        self.num_docs += 1
+        self._write(np.append(ids, eos_id).astype(self._dtype))
+
+    def _write(self, ids: np.ndarray):
+        while ids.size:
+            if self._file is None or self.shards[-1]["num_tokens"] == self._shard_tokens:
+                self._roll()
+            room = self._shard_tokens - self.shards[-1]["num_tokens"]
+            head, ids = ids[:room], ids[room:]
+            # Raw little-endian so the meta's dtype string fully describes the bytes.
+            self._file.write(head.astype(self._dtype.newbyteorder("<"), copy=False).tobytes())
+            self.shards[-1]["num_tokens"] += int(head.size)
+
+    def _roll(self):
+        self.close()
+        name = f"{self._split}_{len(self.shards):05d}.bin"
+        self._file = (self._out_dir / name).open("wb")
+        self.shards.append({"file": name, "num_tokens": 0})
+
+    def close(self):
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def prepare_corpus(
+    documents: Iterable[Document],
+    data_dir: str | os.PathLike,
+    tokenizer: tokenizer_lib.Tokenizer,
+    *,
+    source: str,
+    val_fraction: float = 0.01,
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    overwrite: bool = False,
+) -> dict[str, Any]:
+    """Tokenizes `documents` into train/val shards plus meta.json under `data_dir`.
+
+    Shards are written to a private temporary directory and moved in before meta.json, so a
+    crash leaves no meta.json and concurrent preparers (one per host) do not clash.
+
+    Args:
+      documents: the corpus, e.g. `stdlib_documents()` or `file_documents(paths)`.
+      data_dir: output directory (created).
+      tokenizer: encodes the text; a tokenizer.json is copied into `data_dir`.
+      source: human-readable description of the corpus, recorded in meta.json.
+      val_fraction: expected fraction of documents in the validation split.
+      shard_tokens: maximum tokens per shard file.
+      overwrite: replace an existing prepared corpus in `data_dir`.
+
+    Returns:
+      The meta dict that was written to meta.json.
+
+    Raises:
+      FileExistsError: `data_dir` already holds meta.json and `overwrite` is False.
+      ValueError: bad arguments, or the corpus has no training documents.
+    """
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    if shard_tokens < 2:
+        raise ValueError(f"shard_tokens must be >= 2, got {shard_tokens}")
+    data_dir = Path(data_dir)
+    meta_path = data_dir / META_FILE
+    if meta_path.exists() and not overwrite:
+        raise FileExistsError(f"{meta_path} exists; pass overwrite=True to re-prepare")
+    data_dir.mkdir(parents=True, exist_ok=True)
+    tmp_dir = data_dir / f".tmp-{uuid.uuid4().hex}"
+    tmp_dir.mkdir()
+    dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32)
+    writers = {s: _ShardWriter(tmp_dir, s, dtype, shard_tokens) for s in SPLITS}
+    try:
+        for chunk in _chunks(documents, _ENCODE_CHUNK):
+            for doc, ids in zip(
+                chunk, tokenizer.encode_batch([d.text for d in chunk]), strict=True
+            ):
+                split = "val" if is_val(doc.key, val_fraction) else "train"
+                writers[split].write_doc(ids, tokenizer.eos_id)
+        for w in writers.values():
+            w.close()
+        if writers["train"].num_docs == 0:
+            raise ValueError(f"corpus {source!r} has no training documents")
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "dtype": dtype.name,
+            "source": source,
+            "python": sys.version.split()[0],
+            "val_fraction": val_fraction,
+            "tokenizer": _tokenizer_meta(tokenizer, data_dir),
+            "splits": {
+                s: {
+                    "num_docs": w.num_docs,
+                    "num_tokens": sum(sh["num_tokens"] for sh in w.shards),
+                    "shards": w.shards,
+                }
+                for s, w in writers.items()
+            },
+        }
+        if meta_path.exists():  # overwrite: the old corpus is incomplete from here on
+            meta_path.unlink()
+        for w in writers.values():
+            for shard in w.shards:
+                os.replace(tmp_dir / shard["file"], data_dir / shard["file"])
+        _write_json_atomic(meta_path, meta)
+    finally:
+        for w in writers.values():
+            w.close()
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    logging.info("prepared %s: %s", data_dir, summary(meta))
+    return meta
+
+
+def _tokenizer_meta(tokenizer: tokenizer_lib.Tokenizer, data_dir: Path) -> dict[str, Any]:
+    """Records the tokenizer; a tokenizer.json is copied so `data_dir` is self-contained."""
+    spec = tokenizer.spec
+    if spec != tokenizer_lib.BYTE_SPEC:
+        dst = data_dir / TOKENIZER_FILE
+        if not (dst.exists() and os.path.samefile(spec, dst)):
+            shutil.copyfile(spec, dst)
+        spec = TOKENIZER_FILE
+    return {
+        "spec": spec,
+        "vocab_size": tokenizer.vocab_size,
+        "eos_id": tokenizer.eos_id,
+        "fingerprint": tokenizer.fingerprint(),
+    }
+
+
+def _chunks(items: Iterable[Document], size: int) -> Iterator[list[Document]]:
+    chunk = []
+    for item in items:
+        chunk.append(item)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def _write_json_atomic(path: Path, obj: Any):
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def summary(meta: dict[str, Any]) -> str:
+    """One line describing a prepared corpus: tokens and documents per split, tokenizer."""
+    sp = meta["splits"]
+    return (
+        f"train {sp['train']['num_tokens']:,} tokens / {sp['train']['num_docs']} docs, "
+        f"val {sp['val']['num_tokens']:,} tokens / {sp['val']['num_docs']} docs, "
+        f"tokenizer {meta['tokenizer']['spec']} (vocab {meta['tokenizer']['vocab_size']})"
+    )
+
+
+def ensure_default_data(
+    data_dir: str | os.PathLike, tokenizer_spec: str = tokenizer_lib.BYTE_SPEC
+) -> dict[str, Any]:
+    """Returns the meta of `data_dir`, first preparing the stdlib corpus there if needed.
+
+    This lets the main job run with zero setup. Every process may call it: each prepares
+    privately and the result is deterministic.
+
+    Raises:
+      ValueError: `data_dir` exists but was prepared with a different tokenizer.
+    """
+    tok = tokenizer_lib.load_tokenizer(tokenizer_spec)
+    data_dir = Path(data_dir)
+    if not (data_dir / META_FILE).exists():
+        logging.info(
+            "no %s in %s: preparing the Python stdlib corpus from %s",
+            META_FILE,
+            data_dir,
+            stdlib_root(),
+        )
+        prepare_corpus(stdlib_documents(), data_dir, tok, source=f"stdlib:{stdlib_root()}")
+    meta = load_meta(data_dir)
+    if meta["tokenizer"]["fingerprint"] != tok.fingerprint():
+        raise ValueError(
+            f"{data_dir} was prepared with tokenizer {meta['tokenizer']['spec']!r}, not "
+            f"{tokenizer_spec!r}; use another data_dir or re-run experiments.prepare_data"
+        )
+    return meta
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def load_meta(data_dir: str | os.PathLike) -> dict[str, Any]:
+    """Reads and checks `data_dir/meta.json`.
+
+    Raises:
+      FileNotFoundError: no meta.json (the corpus was never prepared, or preparing crashed).
+      ValueError: meta.json is not valid JSON or lacks required fields.
+    """
+    path = Path(data_dir) / META_FILE
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} not found: prepare the corpus with "
+            f"`python -m experiments.prepare_data --data_dir={data_dir}`"
+        )
+    try:
+        meta = json.loads(path.read_text())
+        if meta["format_version"] != FORMAT_VERSION:
+            raise ValueError(f"format_version {meta['format_version']} != {FORMAT_VERSION}")
+        np.dtype(meta["dtype"])
+        missing = {"spec", "vocab_size", "eos_id", "fingerprint"} - meta["tokenizer"].keys()
+        if missing:
+            raise KeyError(f"tokenizer fields {sorted(missing)}")
+        for split in SPLITS:
+            for shard in meta["splits"][split]["shards"]:
+                if not {"file", "num_tokens"} <= shard.keys():
+                    raise KeyError(f"file/num_tokens in a {split} shard entry")
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"corrupt {path}: {type(e).__name__}: {e}") from e
+    return meta
+
+
+def load_data_tokenizer(data_dir: str | os.PathLike) -> tokenizer_lib.Tokenizer:
+    """Returns the tokenizer a prepared `data_dir` was tokenized with (e.g. for sampling)."""
+    meta = load_meta(data_dir)
+    spec = meta["tokenizer"]["spec"]
+    if spec != tokenizer_lib.BYTE_SPEC:
+        spec = str(Path(data_dir) / spec)
+    return tokenizer_lib.load_tokenizer(spec)
+
+
+def open_shards(
+    data_dir: str | os.PathLike, split: str, meta: dict[str, Any] | None = None
+) -> list[np.ndarray]:
+    """Memory-maps the shards of one split.
+
+    Returns:
+      One read-only array per shard: [num_tokens] of meta's dtype.
+
+    Raises:
+      FileNotFoundError: a shard file is missing.
+      ValueError: a shard's size does not match meta.json (truncated or overwritten).
+    """
+    meta = meta or load_meta(data_dir)
+    dtype = np.dtype(meta["dtype"]).newbyteorder("<")
+    arrays = []
+    for shard in meta["splits"][split]["shards"]:
+        path = Path(data_dir) / shard["file"]
+        if not path.is_file():
+            raise FileNotFoundError(f"shard {path} listed in {META_FILE} is missing")
+        expected = shard["num_tokens"] * dtype.itemsize
+        if path.stat().st_size != expected:
+            raise ValueError(
+                f"corrupt shard {path}: {path.stat().st_size} bytes, {META_FILE} says {expected}"
+            )
+        arrays.append(np.memmap(path, dtype=dtype, mode="r", shape=(shard["num_tokens"],)))
+    return arrays
+
+
+class TokenWindows:
+    """Random-access source of token windows over a split's shards.
+
+    Window i is `shard[i' * S : i' * S + S + 1]` of the shard it falls in: [S + 1] int32.
+    """
+
+    def __init__(
+        self, shards: Sequence[np.ndarray], seq_len: int, vocab_size: int, names: Sequence[str]
+    ):
+        self._shards, self._seq_len, self._vocab_size = shards, seq_len, vocab_size
+        self._names = names
+        counts = [max(0, (len(s) - 1) // seq_len) for s in shards]
+        self._ends = np.cumsum(counts)
+
+    def __len__(self) -> int:
+        return int(self._ends[-1]) if len(self._ends) else 0
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        shard = int(np.searchsorted(self._ends, index, side="right"))
+        local = index - (int(self._ends[shard - 1]) if shard else 0)
+        start = local * self._seq_len
+        window = np.asarray(self._shards[shard][start : start + self._seq_len + 1], np.int32)
+        # A cheap per-window check: garbled shard bytes surface here, not as NaNs in training.
+        if window.max() >= self._vocab_size:
+            raise ValueError(
+                f"corrupt shard {self._names[shard]}: token {window.max()} >= "
+                f"vocab_size {self._vocab_size} near offset {start}"
+            )
+        return window
+
+
+def _windows(
+    cfg: DataConfig, split: str, process_index: int | None, process_count: int | None
+) -> tuple[grain.MapDataset, int, int, dict[str, Any]]:
+    """This process's windows of `split`, per-process batch size, min batches/process, meta."""
+    process_index = jax.process_index() if process_index is None else process_index
+    process_count = jax.process_count() if process_count is None else process_count
+    if not 0 <= process_index < process_count:
+        raise ValueError(f"process_index {process_index} not in [0, {process_count})")
+    if cfg.batch_size % process_count:
+        raise ValueError(
+            f"batch_size {cfg.batch_size} is not divisible by process_count {process_count}"
+        )
+    meta = load_meta(cfg.data_dir)
+    names = [str(Path(cfg.data_dir) / s["file"]) for s in meta["splits"][split]["shards"]]
+    source = TokenWindows(
+        open_shards(cfg.data_dir, split, meta), cfg.seq_len, meta["tokenizer"]["vocab_size"], names
+    )
+    per_process = cfg.batch_size // process_count
+    # Every process needs at least one full batch, or it would stall collectives.
+    if len(source) // process_count < per_process:
+        raise ValueError(
+            f"{split} split of {cfg.data_dir} has {len(source)} windows of {cfg.seq_len + 1} "
+            f"tokens, fewer than one batch of {per_process} per process x {process_count}"
+        )
+    ds = grain.MapDataset.source(source)[process_index::process_count]
+    return ds, per_process, len(source) // process_count // per_process, meta
+
+
+def _split_inputs_targets(windows: np.ndarray) -> dict[str, np.ndarray]:
+    """[B, S + 1] -> {"inputs": [B, S], "targets": [B, S]} int32, targets shifted by one."""
+    return {"inputs": windows[:, :-1], "targets": windows[:, 1:]}
+
+
+class DataIterator:
+    """Endless training batches with JSON-serialisable, validated `get_state`/`set_state`.
+
+    Yields:
+      {"inputs": int32 [B_p, S], "targets": int32 [B_p, S]}, B_p = batch_size // processes.
+    """
+
+    def __init__(self, it: grain.DatasetIterator, fingerprint: dict[str, Any]):
+        self._it, self._fingerprint = it, fingerprint
+
+    def __iter__(self) -> "DataIterator":
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        return next(self._it)
+
+    def get_state(self) -> dict[str, Any]:
+        """Returns the position: a JSON-serialisable dict, equal on every process."""
+        return {"grain": self._it.get_state(), "fingerprint": self._fingerprint}
+
+    def set_state(self, state: dict[str, Any]):
+        """Resumes from `get_state()`'s result.
+
+        Raises:
+          ValueError: the state was taken from a pipeline with different data or shapes.
+        """
+        saved = state.get("fingerprint", {})
+        diff = sorted(
+            k
+            for k in saved.keys() | self._fingerprint.keys()
+            if k != "process_count" and saved.get(k) != self._fingerprint.get(k)
+        )
+        if diff:
+            raise ValueError(
+                "data iterator state does not match this pipeline: "
+                + ", ".join(
+                    f"{k}: saved {saved.get(k)!r} != {self._fingerprint.get(k)!r}" for k in diff
+                )
+            )
+        if saved.get("process_count") != self._fingerprint["process_count"]:
+            logging.warning(
+                "resuming data from %s processes on %s: the batch order changes",
+                saved.get("process_count"),
+                self._fingerprint["process_count"],
+            )
+        self._it.set_state(state["grain"])
+
+
+def make_train_iterator(
+    cfg: DataConfig, process_index: int | None = None, process_count: int | None = None
+) -> DataIterator:
+    """Returns this process's endless, shuffled, checkpointable training iterator.
+
+    Args:
+      cfg: the data config; `cfg.data_dir` must be prepared (see `ensure_default_data`).
+      process_index: this process's index; defaults to `jax.process_index()`.
+      process_count: number of processes; defaults to `jax.process_count()`.
+
+    Raises:
+      FileNotFoundError / ValueError: missing or corrupt meta.json or shards, or too little
+        data for one batch.
+    """
+    ds, per_process, _, meta = _windows(cfg, "train", process_index, process_count)
+    if cfg.shuffle:
+        ds = ds.shuffle(seed=cfg.seed)
+    ds = ds.repeat(None).batch(per_process, drop_remainder=True).map(_split_inputs_targets)
+    read = grain.ReadOptions(num_threads=cfg.num_threads, prefetch_buffer_size=4)
+    fingerprint = {
+        "seq_len": cfg.seq_len,
+        "batch_size": cfg.batch_size,
+        "seed": cfg.seed,
+        "shuffle": cfg.shuffle,
+        "train_tokens": meta["splits"]["train"]["num_tokens"],
+        "tokenizer": meta["tokenizer"]["fingerprint"],
+        "process_count": jax.process_count() if process_count is None else process_count,
+    }
+    return DataIterator(iter(ds.to_iter_dataset(read)), fingerprint)
+
+
+def make_val_iterator(
+    cfg: DataConfig,
+    num_batches: int,
+    process_index: int | None = None,
+    process_count: int | None = None,
+) -> Iterator[dict[str, np.ndarray]]:
+    """Returns a fresh iterator over the first validation batches, in order (no shuffle).
+
+    Every call yields the same batches, so evaluations are comparable across steps. All
+    processes yield the same number of batches.
+
+    Args:
+      cfg: the data config (`seq_len`, `batch_size`, `data_dir` are used).
+      num_batches: at most this many batches; fewer if the val split is smaller.
+      process_index / process_count: as in `make_train_iterator`.
+
+    Yields:
+      {"inputs": int32 [B_p, S], "targets": int32 [B_p, S]}.
+    """
+    if num_batches < 1:
+        raise ValueError(f"num_batches must be >= 1, got {num_batches}")
+    ds, per_process, full_batches, _ = _windows(cfg, "val", process_index, process_count)
+    n = min(num_batches, full_batches)
+    ds = ds[: n * per_process].batch(per_process, drop_remainder=True).map(_split_inputs_targets)
+    return iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=cfg.num_threads)))
