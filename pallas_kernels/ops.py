@@ -1,0 +1,213 @@
+"""Public TwELL inference ops: the sparse gated and non-gated MLP.
+
+    out = twell_gated_mlp(x, w_gate, w_up, w_down)   # (relu(x Wg^T) * (x Wu^T)) Wd
+    out = twell_mlp(x, w_up, w_down)                 # relu(x Wu^T) Wd
+
+Backends (`impl`): "pallas" (D2T then (Gated)T2D, compiled for the GPU),
+"interpret" (the same kernels in the Pallas interpreter, for CPU tests), "xla" (the
+dense jnp computation with the same statistics, for CPU models) and "auto" (pallas
+on a GPU, xla elsewhere).
+
+Overflow policy: a (row, tile) with more positives than its W - 1 slots keeps its
+true count in the format; the T2D kernel sees it and recomputes that tile from x and
+the dense weight rows, so the output is correct at any density. How many tiles took
+that path is reported in `TwellStats.overflow_tiles` (ask with return_stats=True).
+When it is a sizeable fraction, a smaller compression factor (C=4 or 2) is faster.
+
+Gradients: the ops are `custom_vjp`s whose backward is the dense MLP's, so they may
+sit inside a differentiated model; training should use the hybrid sparse op instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import _triton as tr
+from pallas_kernels import reference
+from pallas_kernels import twell_format as fmt
+from pallas_kernels.d2t import D2TConfig, d2t
+from pallas_kernels.t2d import T2DConfig, t2d
+
+IMPLS = ("auto", "pallas", "interpret", "xla")
+
+
+class TwellStats(NamedTuple):
+    """What one call saw: all scalars.
+
+    nnz_per_row: fp32 mean number of positive gate entries per token (true count).
+    max_tile_count: int32 largest count in any (row, tile).
+    overflow_tiles: int32 number of (row, tile) pairs past capacity, recomputed dense.
+    """
+
+    nnz_per_row: jax.Array
+    max_tile_count: jax.Array
+    overflow_tiles: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class TwellOptions:
+    """Static choices of one op call (hashable: the custom_vjp's non-diff argument)."""
+
+    gated: bool
+    compression: int = 8
+    high_precision: bool = False
+    impl: str = "auto"
+    d2t: D2TConfig = D2TConfig()
+    t2d: T2DConfig = T2DConfig()
+
+
+def _check_inputs(x: jax.Array, weights: tuple[jax.Array, ...], opts: TwellOptions) -> None:
+    names = ("w_gate", "w_up", "w_down") if opts.gated else ("w_up", "w_down")
+    if opts.impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {opts.impl!r}")
+    if x.ndim < 1:
+        raise ValueError(f"x must be [..., H], got a scalar of shape {x.shape}")
+    if x.dtype != jnp.bfloat16:
+        raise ValueError(f"x must be bfloat16, got {x.dtype}")
+    h = x.shape[-1]
+    n = weights[0].shape[0] if weights[0].ndim == 2 else None
+    for name, w in zip(names, weights, strict=True):
+        if w.ndim != 2 or w.shape != (n, h):
+            raise ValueError(
+                f"{name} must be [N, H] = [{n}, {h}] like {names[0]} with H = x.shape[-1], "
+                f"got {w.shape}"
+            )
+        if w.dtype != jnp.bfloat16:
+            raise ValueError(f"{name} must be bfloat16, got {w.dtype}")
+    fmt.check_format(n, opts.compression)
+    if h % 64:
+        raise ValueError(f"d_model H={h} must be a multiple of 64")
+
+
+def _sparse_forward(x, weights, opts: TwellOptions):
+    """Pallas path: out [M, H] and tile counts [M, N / 256] int32."""
+    interpret = opts.impl == "interpret" or (opts.impl == "auto" and not tr.on_gpu())
+    packed = d2t(x, weights[0], compression=opts.compression, cfg=opts.d2t, interpret=interpret)
+    out = t2d(x, packed, weights, compression=opts.compression,
+              high_precision=opts.high_precision, cfg=opts.t2d, interpret=interpret)
+    return out, fmt.tile_counts(packed, opts.compression)
+
+
+def _dense_forward(x, weights, opts: TwellOptions):
+    """XLA path with the same rounding and the same statistics."""
+    gate = reference.hidden(x, weights[0])
+    m, n = gate.shape
+    counts = jnp.sum((gate > 0).reshape(m, n // fmt.TILE, fmt.TILE), axis=-1, dtype=jnp.int32)
+    if opts.gated:
+        up = jnp.einsum("mh,nh->mn", x, weights[1], preferred_element_type=jnp.float32)
+        exact = opts.high_precision
+        hidden = gate.astype(jnp.float32) * up if exact else gate * up.astype(x.dtype)
+    else:
+        hidden = gate
+    out = jnp.einsum("mn,nh->mh", hidden, weights[-1], preferred_element_type=jnp.float32)
+    return out.astype(x.dtype), counts
+
+
+def _dense_reference(x, weights, opts: TwellOptions):
+    return reference.gated_mlp(x, *weights) if opts.gated else reference.mlp(x, *weights)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _twell_apply(opts: TwellOptions, x, *weights):
+    use_pallas = opts.impl in ("pallas", "interpret") or (opts.impl == "auto" and tr.on_gpu())
+    forward = _sparse_forward if use_pallas else _dense_forward
+    return forward(x, weights, opts)
+
+
+def _twell_apply_fwd(opts, x, *weights):
+    return _twell_apply(opts, x, *weights), (x, weights)
+
+
+def _twell_apply_bwd(opts, residuals, cotangents):
+    x, weights = residuals
+    _, vjp = jax.vjp(lambda *a: _dense_reference(a[0], a[1:], opts), x, *weights)
+    return vjp(cotangents[0])
+
+
+_twell_apply.defvjp(_twell_apply_fwd, _twell_apply_bwd)
+
+
+def _stats(counts: jax.Array, slots: int) -> TwellStats:
+    m = max(counts.shape[0], 1)
+    return TwellStats(
+        nnz_per_row=jnp.sum(counts, dtype=jnp.float32) / m,
+        max_tile_count=jnp.max(counts, initial=0),
+        overflow_tiles=jnp.sum(counts >= slots, dtype=jnp.int32),
+    )
+
+
+def _run(x, weights, opts: TwellOptions, return_stats: bool):
+    _check_inputs(x, weights, opts)
+    lead, h = x.shape[:-1], x.shape[-1]
+    x2d = x.reshape(-1, h)
+    if x2d.shape[0] == 0:
+        out = jnp.zeros_like(x)
+        counts = jnp.zeros((0, weights[0].shape[0] // fmt.TILE), jnp.int32)
+    else:
+        out, counts = _twell_apply(opts, x2d, *weights)
+        out = out.reshape(*lead, h)
+    if not return_stats:
+        return out
+    return out, _stats(counts, fmt.slots_per_tile(opts.compression))
+
+
+def twell_gated_mlp(
+    x: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    *,
+    compression: int = 8,
+    high_precision: bool = False,
+    return_stats: bool = False,
+    impl: str = "auto",
+    d2t_config: D2TConfig = D2TConfig(),
+    t2d_config: T2DConfig = T2DConfig(),
+):
+    """The TwELL gated MLP: (relu(x Wg^T) * (x Wu^T)) Wd.
+
+    Args:
+      x: [..., H] bf16 tokens.
+      w_gate: [N, H] bf16 (gate_proj.weight).
+      w_up: [N, H] bf16 (up_proj.weight).
+      w_down: [N, H] bf16 (down_proj.weight transposed).
+      compression: TwELL compression C in {8, 4, 2}: W = 256 / C slots per tile.
+      high_precision: keep the up product and h in fp32 (only the output is rounded).
+      return_stats: also return a TwellStats.
+      impl: "auto", "pallas", "interpret" or "xla" (module docstring).
+      d2t_config: D2T block sizes.
+      t2d_config: T2D launch parameters.
+
+    Returns:
+      out [..., H] bf16, or (out, TwellStats) when return_stats.
+
+    Raises:
+      ValueError: on a wrong dtype or shape, N not a multiple of 256 or above 65536,
+        H not a multiple of 64, or an unknown compression or impl.
+    """
+    opts = TwellOptions(True, compression, high_precision, impl, d2t_config, t2d_config)
+    return _run(x, (w_gate, w_up, w_down), opts, return_stats)
+
+
+def twell_mlp(
+    x: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    *,
+    compression: int = 8,
+    return_stats: bool = False,
+    impl: str = "auto",
+    d2t_config: D2TConfig = D2TConfig(),
+    t2d_config: T2DConfig = T2DConfig(),
+):
+    """The TwELL non-gated MLP: relu(x Wu^T) Wd.
+
+    Args and returns as `twell_gated_mlp`, without w_gate and high_precision.
+    """
+    opts = TwellOptions(False, compression, False, impl, d2t_config, t2d_config)
+    return _run(x, (w_up, w_down), opts, return_stats)
