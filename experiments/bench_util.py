@@ -1,0 +1,68 @@
+"""Timing and synthetic-sparsity helpers shared by the benchmarks."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def time_fn(fn, *args, warmup: int = 5, reps: int = 50) -> dict:
+    """Wall time of `fn(*args)` per call, synchronised, after `warmup` calls.
+
+    Returns {"median_ms", "p10_ms", "p90_ms", "reps"}.
+    """
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append((time.perf_counter() - start) * 1e3)
+    times.sort()
+    return {
+        "median_ms": statistics.median(times),
+        "p10_ms": times[len(times) // 10],
+        "p90_ms": times[(len(times) * 9) // 10],
+        "reps": reps,
+    }
+
+
+def gate_threshold(nnz_per_row: float, n: int, h: int, x_std: float, w_std: float) -> float:
+    """Bias that leaves about `nnz_per_row` of N gate pre-activations positive.
+
+    With x[:, 0] = 1 and Wg[:, 0] = -thr, a gate pre-activation is a normal with std
+    sqrt(H - 1) * x_std * w_std shifted by -thr.
+    """
+    p = min(max(nnz_per_row / n, 1e-9), 0.5)
+    std = np.sqrt(h - 1) * x_std * w_std
+    return float(std * statistics.NormalDist().inv_cdf(1.0 - p))
+
+
+def synthetic_mlp(m: int, h: int, n: int, nnz_per_row: float, seed: int = 0):
+    """bf16 x [M, H] and gate/up/down weights [N, H] with ~nnz_per_row positive gates.
+
+    The sparsity comes from a bias-like column: x[:, 0] = 1 and Wg[:, 0] = -thr.
+    """
+    k = jax.random.split(jax.random.key(seed), 4)
+    w_std = 0.02
+    x = jax.random.normal(k[0], (m, h), jnp.float32)
+    x = x.at[:, 0].set(1.0).astype(jnp.bfloat16)
+    w_gate = jax.random.normal(k[1], (n, h), jnp.float32) * w_std
+    w_gate = w_gate.at[:, 0].set(-gate_threshold(nnz_per_row, n, h, 1.0, w_std))
+    w_up = jax.random.normal(k[2], (n, h), jnp.float32) * w_std
+    w_down = jax.random.normal(k[3], (n, h), jnp.float32) * w_std
+    return x, w_gate.astype(jnp.bfloat16), w_up.astype(jnp.bfloat16), w_down.astype(jnp.bfloat16)
+
+
+def errors(out: jax.Array, ref: jax.Array) -> dict:
+    """Max error relative to the reference's max magnitude, and the norm-relative error."""
+    o, r = out.astype(jnp.float32), ref.astype(jnp.float32)
+    scale = jnp.maximum(jnp.max(jnp.abs(r)), 1e-30)
+    return {
+        "max_rel_err": float(jnp.max(jnp.abs(o - r)) / scale),
+        "norm_rel_err": float(jnp.linalg.norm(o - r) / jnp.maximum(jnp.linalg.norm(r), 1e-30)),
+    }

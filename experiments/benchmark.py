@@ -1,0 +1,183 @@
+r"""Benchmarks, sparse against dense, measured in one process on the GPU.
+
+    python -m experiments.benchmark --mode=kernel --out=results/kernel_h200.json
+    python -m experiments.benchmark --mode=tune --out=results/tune_h200.json
+
+kernel: the TwELL inference ops against the dense XLA MLP (gated and non-gated) at
+M in --tokens, H=2048, N=5632, with synthetic gates at --nnz non-zeros per row, plus a
+density sweep of the whole gated MLP (--sweep_nnz) for the crossover.
+tune: block-size sweep of D2T and launch sweep of GatedT2D at the largest M.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+from absl import app, flags, logging
+
+from experiments import bench_util as bu
+from pallas_kernels import d2t as d2t_mod
+from pallas_kernels import ops, reference
+from pallas_kernels import t2d as t2d_mod
+from pallas_kernels import twell_format as fmt
+
+FLAGS = flags.FLAGS
+flags.DEFINE_enum("mode", "kernel", ["kernel", "tune"], "What to measure.")
+flags.DEFINE_string("out", "", "JSON output path (default: print only).")
+flags.DEFINE_list("tokens", ["16384", "131072"], "Token counts M.")
+flags.DEFINE_list("nnz", ["29", "56", "115"], "Target non-zeros per row of the synthetic gate.")
+flags.DEFINE_list("sweep_nnz", ["29", "56", "115", "170", "230", "345"],
+                  "Densities of the crossover sweep (at the largest M).")
+flags.DEFINE_integer("d_model", 2048, "H.")
+flags.DEFINE_integer("d_ff", 5632, "N.")
+flags.DEFINE_integer("compression", 8, "TwELL compression C.")
+flags.DEFINE_integer("reps", 30, "Timed calls per measurement (median reported).")
+flags.DEFINE_integer("warmup", 5, "Untimed calls first.")
+
+
+def _gemm_tflops(m: int, h: int, n: int, n_gemms: int, ms: float) -> float:
+    return 2.0 * m * h * n * n_gemms / (ms * 1e-3) / 1e12
+
+
+def kernel_case(m: int, nnz: float, h: int, n: int, c: int, reps: int, warmup: int) -> dict:
+    """One (M, density) point: every kernel and both MLPs, sparse and dense."""
+    x, wg, wu, wd = bu.synthetic_mlp(m, h, n, nnz)
+    timed = lambda f, *a: bu.time_fn(f, *a, warmup=warmup, reps=reps)["median_ms"]
+
+    dense_gated = jax.jit(reference.gated_mlp)
+    dense_mlp = jax.jit(reference.mlp)
+    gate_gemm = jax.jit(reference.hidden)
+    d2t = jax.jit(lambda x, w: d2t_mod.d2t(x, w, compression=c))
+    gated_t2d = jax.jit(lambda x, p, a, b, d: t2d_mod.t2d(x, p, (a, b, d), compression=c))
+    t2d = jax.jit(lambda x, p, b, d: t2d_mod.t2d(x, p, (b, d), compression=c))
+    twell_gated = jax.jit(lambda *a: ops.twell_gated_mlp(*a, compression=c, impl="pallas",
+                                                         return_stats=True))
+    twell = jax.jit(lambda *a: ops.twell_mlp(*a, compression=c, impl="pallas",
+                                             return_stats=True))
+
+    packed_g = d2t(x, wg)
+    packed_u = d2t(x, wu)
+    out_g, stats_g = twell_gated(x, wg, wu, wd)
+    out_u, stats_u = twell(x, wu, wd)
+    ref_g, ref_u = dense_gated(x, wg, wu, wd), dense_mlp(x, wu, wd)
+    # The packed gate decodes exactly to the dense bf16 relu(x Wg^T) (up to fp32
+    # summation order at the ReLU boundary): count mismatching entries.
+    decoded = fmt.unpack(packed_g[:4096], n, c)
+    gate_mismatch = int(jnp.sum(decoded != gate_gemm(x[:4096], wg)))
+
+    r = {"M": m, "H": h, "N": n, "C": c, "target_nnz": nnz}
+    r["nnz_per_row"] = float(stats_g.nnz_per_row)
+    r["max_tile_count"] = int(stats_g.max_tile_count)
+    r["overflow_tiles"] = int(stats_g.overflow_tiles)
+    r["d2t_gate_mismatches_first4096"] = gate_mismatch
+    r["dense_gated_ms"] = timed(dense_gated, x, wg, wu, wd)
+    r["gate_gemm_ms"] = timed(gate_gemm, x, wg)
+    r["d2t_ms"] = timed(d2t, x, wg)
+    r["gated_t2d_ms"] = timed(gated_t2d, x, packed_g, wg, wu, wd)
+    r["twell_gated_ms"] = timed(twell_gated, x, wg, wu, wd)
+    r["speedup_gated"] = r["dense_gated_ms"] / r["twell_gated_ms"]
+    r["d2t_over_gemm"] = r["d2t_ms"] / r["gate_gemm_ms"]
+    r["dense_gated_tflops"] = _gemm_tflops(m, h, n, 3, r["dense_gated_ms"])
+    r["gate_gemm_tflops"] = _gemm_tflops(m, h, n, 1, r["gate_gemm_ms"])
+    r["twell_gated_tokens_per_ms"] = m / r["twell_gated_ms"]
+    r["dense_gated_tokens_per_ms"] = m / r["dense_gated_ms"]
+    r.update({f"gated_{k}": v for k, v in bu.errors(out_g, ref_g).items()})
+
+    r["nnz_per_row_nongated"] = float(stats_u.nnz_per_row)
+    r["overflow_tiles_nongated"] = int(stats_u.overflow_tiles)
+    r["dense_mlp_ms"] = timed(dense_mlp, x, wu, wd)
+    r["t2d_ms"] = timed(t2d, x, packed_u, wu, wd)
+    r["twell_mlp_ms"] = timed(twell, x, wu, wd)
+    r["speedup_nongated"] = r["dense_mlp_ms"] / r["twell_mlp_ms"]
+    r.update({f"nongated_{k}": v for k, v in bu.errors(out_u, ref_u).items()})
+    return r
+
+
+def sweep_case(m: int, nnz: float, h: int, n: int, c: int, reps: int, warmup: int) -> dict:
+    """Whole gated MLP only, for the density crossover."""
+    x, wg, wu, wd = bu.synthetic_mlp(m, h, n, nnz)
+    twell_gated = jax.jit(lambda *a: ops.twell_gated_mlp(*a, compression=c, impl="pallas",
+                                                         return_stats=True))
+    _, stats = twell_gated(x, wg, wu, wd)
+    dense = bu.time_fn(jax.jit(reference.gated_mlp), x, wg, wu, wd, warmup=warmup, reps=reps)
+    sparse = bu.time_fn(twell_gated, x, wg, wu, wd, warmup=warmup, reps=reps)
+    return {
+        "M": m, "C": c, "target_nnz": nnz, "nnz_per_row": float(stats.nnz_per_row),
+        "overflow_tiles": int(stats.overflow_tiles),
+        "dense_gated_ms": dense["median_ms"], "twell_gated_ms": sparse["median_ms"],
+        "speedup_gated": dense["median_ms"] / sparse["median_ms"],
+    }
+
+
+def tune(m: int, h: int, n: int, c: int, reps: int, warmup: int) -> dict:
+    """D2T block sizes and GatedT2D launch parameters at ~29 non-zeros per row."""
+    x, wg, wu, wd = bu.synthetic_mlp(m, h, n, 29)
+    gemm_ms = bu.time_fn(jax.jit(reference.hidden), x, wg, warmup=warmup, reps=reps)["median_ms"]
+    d2t_rows = []
+    for bm, bk, chunk, warps, stages in [
+        (128, 64, 128, 8, 3), (128, 64, 128, 8, 4), (128, 64, 256, 8, 3), (128, 64, 64, 8, 3),
+        (64, 64, 128, 4, 3), (64, 64, 256, 4, 4), (128, 64, 128, 4, 3), (128, 32, 128, 8, 4),
+        (256, 64, 128, 8, 3),
+    ]:
+        cfg = d2t_mod.D2TConfig(bm, bk, chunk, warps, stages)
+        try:
+            f = jax.jit(lambda x, w, cfg=cfg: d2t_mod.d2t(x, w, compression=c, cfg=cfg))
+            t = bu.time_fn(f, x, wg, warmup=warmup, reps=reps)["median_ms"]
+        except Exception as e:  # a config that fails to compile is a result
+            t = None
+            logging.warning("d2t %s failed: %s", cfg, str(e)[:300])
+        d2t_rows.append({"cfg": cfg.__dict__, "ms": t, "over_gemm": t and t / gemm_ms})
+        print(d2t_rows[-1], flush=True)
+    packed = jax.jit(lambda x, w: d2t_mod.d2t(x, w, compression=c))(x, wg)
+    t2d_rows = []
+    for warps, stages in [(1, 1), (1, 2), (2, 1), (4, 1), (1, 3)]:
+        cfg = t2d_mod.T2DConfig(warps, stages)
+        try:
+            f = jax.jit(lambda x, p, a, b, d, cfg=cfg: t2d_mod.t2d(x, p, (a, b, d),
+                                                                  compression=c, cfg=cfg))
+            t = bu.time_fn(f, x, packed, wg, wu, wd, warmup=warmup, reps=reps)["median_ms"]
+        except Exception as e:
+            t = None
+            logging.warning("t2d %s failed: %s", cfg, str(e)[:300])
+        t2d_rows.append({"cfg": cfg.__dict__, "ms": t})
+        print(t2d_rows[-1], flush=True)
+    return {"M": m, "gate_gemm_ms": gemm_ms, "d2t": d2t_rows, "gated_t2d": t2d_rows}
+
+
+def main(argv):
+    del argv
+    tokens = [int(t) for t in FLAGS.tokens]
+    h, n, c = FLAGS.d_model, FLAGS.d_ff, FLAGS.compression
+    args = (h, n, c, FLAGS.reps, FLAGS.warmup)
+    result = {
+        "mode": FLAGS.mode,
+        "command": " ".join(["python -m experiments.benchmark", *sys.argv[1:]]),
+        "device": str(jax.devices()[0].device_kind),
+        "jax": jax.__version__,
+        "host": platform.node(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    if FLAGS.mode == "kernel":
+        result["cases"] = []
+        for m in tokens:
+            for nnz in FLAGS.nnz:
+                result["cases"].append(kernel_case(m, float(nnz), *args))
+                print(json.dumps(result["cases"][-1]), flush=True)
+        result["sweep"] = []
+        for nnz in FLAGS.sweep_nnz:
+            result["sweep"].append(sweep_case(max(tokens), float(nnz), *args))
+            print(json.dumps(result["sweep"][-1]), flush=True)
+    else:
+        result["tune"] = tune(max(tokens), *args)
+    if FLAGS.out:
+        with open(FLAGS.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    app.run(main)

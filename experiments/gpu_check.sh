@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: the GPU test suite, then the benchmarks.
+#   bash experiments/gpu_check.sh [tests|kernel|tune|train|all]...
+# Results (JSON and logs) go to $OUT when set (the device tool), else results/.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-results}
+mkdir -p "$OUT"
+# grain and its missing dependencies travel as wheels in .whl (BUILD.md).
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+status=0
+for what in "${@:-all}"; do
+  case "$what" in
+    tests|all) python3 -m pytest -m gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" \
+                 || status=1 ;;&
+    kernel|all) python3 -m experiments.benchmark --mode=kernel --out="$OUT/kernel_h200.json" \
+                  || status=1 ;;&
+    train|all) python3 -m experiments.benchmark --mode=train --out="$OUT/train_h200.json" \
+                 || status=1 ;;&
+    tune) python3 -m experiments.benchmark --mode=tune --out="$OUT/tune_h200.json" || status=1 ;;
+  esac
+done
+exit $status
