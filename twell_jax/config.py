@@ -1,0 +1,406 @@
+"""Frozen configuration dataclasses, presets and dict round-trips.
+
+One `TrainConfig` composes `ModelConfig`, `SparsityConfig` and `OptimConfig`. Every
+default lives here once; flagfiles and presets only override. `__post_init__` checks
+raise `ValueError` naming the offending field. `config_to_dict` / `train_config_from_dict`
+round-trip through plain JSON-friendly dicts (saved next to checkpoints), `config_diff`
+lists mismatching keys on resume, and `with_overrides` applies dotted-key overrides
+("model.d_ff=1024") on top of any config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any
+
+import jax.numpy as jnp
+
+# TwELL packs 256-wide column tiles (twell.md §3); the sparse kernels share the tiling.
+TILE = 256
+# TwELL slots hold the column index in 16 bits.
+MAX_TWELL_D_FF = 1 << 16
+
+FFN_VARIANTS = ("gated_relu", "relu", "gated_silu")
+FFN_IMPLS = ("dense", "twell", "sparse")
+L1_TARGETS = ("activations", "weights")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _check(ok: bool, cls: str, field: str, value: Any, why: str) -> None:
+    if not ok:
+        raise ValueError(f"{cls}.{field}={value!r}: {why}")
+
+
+def _check_positive(obj: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        _check(value > 0, type(obj).__name__, name, value, "must be > 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Llama-style transformer with a sparse-able FFN (twell.md §6).
+
+    Attributes:
+      vocab_size: V, rows of the (tied) embedding.
+      d_model: H.
+      d_ff: N, FFN hidden width; a multiple of 256 for the TwELL / sparse kernels.
+      n_layers: L.
+      n_heads: attention heads (no GQA); head_dim = d_model / n_heads, even for RoPE.
+      seq_len: maximum context S.
+      rope_theta: RoPE base.
+      norm_eps: RMSNorm epsilon.
+      init_std: std of the N(0, init_std) init of every matrix.
+      tie_embeddings: LM head reuses the embedding matrix.
+      ffn_variant: "gated_relu" relu(x Wg^T) * (x Wu^T), "relu" relu(x Wu^T), or
+        "gated_silu" silu(x Wg^T) * (x Wu^T) (the dense Llama baseline).
+      ffn_impl: "dense" (XLA, exact stats), "twell" (Pallas TwELL inference, no
+        gradient) or "sparse" (Pallas sparse training kernels, gated_relu only).
+      twell_compression: C of the TwELL format, in {2, 4, 8}.
+      dtype: compute dtype name.
+      param_dtype: master parameter dtype name.
+      remat: rematerialise every layer in the backward pass.
+    """
+
+    vocab_size: int = 512
+    d_model: int = 128
+    d_ff: int = 512
+    n_layers: int = 4
+    n_heads: int = 4
+    seq_len: int = 128
+    rope_theta: float = 1e5
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+    tie_embeddings: bool = True
+    ffn_variant: str = "gated_relu"
+    ffn_impl: str = "dense"
+    twell_compression: int = 8
+    dtype: str = "bfloat16"
+    param_dtype: str = "float32"
+    remat: bool = False
+
+    def __post_init__(self):
+        name = "ModelConfig"
+        _check_positive(self, "vocab_size", "d_model", "d_ff", "n_layers", "n_heads", "seq_len")
+        _check_positive(self, "rope_theta", "norm_eps", "init_std")
+        _check(self.ffn_variant in FFN_VARIANTS, name, "ffn_variant", self.ffn_variant,
+               f"must be one of {FFN_VARIANTS}")
+        _check(self.ffn_impl in FFN_IMPLS, name, "ffn_impl", self.ffn_impl,
+               f"must be one of {FFN_IMPLS}")
+        _check(self.d_model % self.n_heads == 0, name, "d_model", self.d_model,
+               f"must be divisible by n_heads={self.n_heads}")
+        _check(self.head_dim % 2 == 0, name, "n_heads", self.n_heads,
+               f"head_dim={self.head_dim} must be even for RoPE")
+        _check(self.dtype in DTYPES, name, "dtype", self.dtype, f"must be one of {DTYPES}")
+        _check(self.param_dtype in DTYPES, name, "param_dtype", self.param_dtype,
+               f"must be one of {DTYPES}")
+        _check(self.twell_compression in (2, 4, 8), name, "twell_compression",
+               self.twell_compression, "must be 2, 4 or 8")
+        if self.ffn_impl != "dense":
+            _check(self.d_ff % TILE == 0, name, "d_ff", self.d_ff,
+                   f"must be a multiple of {TILE} when ffn_impl={self.ffn_impl!r}")
+            _check(self.ffn_variant != "gated_silu", name, "ffn_impl", self.ffn_impl,
+                   "needs a ReLU FFN (ffn_variant 'gated_relu' or 'relu'), not 'gated_silu'")
+        if self.ffn_impl == "twell":
+            _check(self.d_ff <= MAX_TWELL_D_FF, name, "d_ff", self.d_ff,
+                   f"TwELL stores 16-bit columns: at most {MAX_TWELL_D_FF}")
+        if self.ffn_impl == "sparse":
+            _check(self.ffn_variant == "gated_relu", name, "ffn_impl", self.ffn_impl,
+                   "the sparse training kernels implement ffn_variant='gated_relu' only")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def gated(self) -> bool:
+        """Whether the FFN has a gate matrix."""
+        return self.ffn_variant != "relu"
+
+    @property
+    def compute_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.dtype)
+
+    @property
+    def weight_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.param_dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class SparsityConfig:
+    """L1 sparsity objective and dead-neuron handling (twell.md §2, §5).
+
+    Attributes:
+      l1_coef: lambda of `CE + lambda * mean_layers(mean_tokens(sum_N |h|))`.
+      l1_warmup_steps: lambda ramps linearly from 0 over this many steps (0 = constant).
+      l1_target: "activations" (the paper) or "weights" (lambda * sum |W| of the FFN
+        matrices, mean over layers).
+      tokens_until_dead: a neuron is dead when it has not fired for this many tokens;
+        None means one global batch (the reference's default).
+      reinit_dead_every: every this many steps re-draw the gate rows of dead neurons
+        (0 = never).
+      sparse_l0_cutoff: with ffn_impl="sparse", a layer runs the sparse kernels only
+        while its last measured l0 is below this.
+      sparse_recheck_every: steps between re-evaluations of that per-layer switch.
+    """
+
+    l1_coef: float = 2e-5
+    l1_warmup_steps: int = 0
+    l1_target: str = "activations"
+    tokens_until_dead: int | None = None
+    reinit_dead_every: int = 0
+    sparse_l0_cutoff: float = 50.0
+    sparse_recheck_every: int = 20
+
+    def __post_init__(self):
+        name = "SparsityConfig"
+        _check(self.l1_coef >= 0, name, "l1_coef", self.l1_coef, "must be >= 0")
+        _check(self.l1_warmup_steps >= 0, name, "l1_warmup_steps", self.l1_warmup_steps,
+               "must be >= 0")
+        _check(self.l1_target in L1_TARGETS, name, "l1_target", self.l1_target,
+               f"must be one of {L1_TARGETS}")
+        _check(self.tokens_until_dead is None or self.tokens_until_dead > 0, name,
+               "tokens_until_dead", self.tokens_until_dead, "must be None or > 0")
+        _check(self.reinit_dead_every >= 0, name, "reinit_dead_every", self.reinit_dead_every,
+               "must be >= 0")
+        _check_positive(self, "sparse_recheck_every")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with linear warmup then cosine decay to 0 (twell_training_spec §4).
+
+    Attributes:
+      lr: peak learning rate.
+      betas: Adam (b1, b2).
+      eps: Adam epsilon.
+      weight_decay: decoupled weight decay, not applied to norm scales.
+      clip_norm: global gradient-norm clip.
+      warmup_steps: linear warmup from 0 to lr.
+      total_steps: optimizer steps of the whole run (end of the cosine).
+      grad_accum_steps: micro-batches per optimizer step (scanned inside one jit).
+    """
+
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    clip_norm: float = 1.0
+    warmup_steps: int = 600
+    total_steps: int = 30000
+    grad_accum_steps: int = 1
+
+    def __post_init__(self):
+        name = "OptimConfig"
+        object.__setattr__(self, "betas", tuple(self.betas))
+        _check_positive(self, "lr", "eps", "clip_norm", "total_steps", "grad_accum_steps")
+        _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), name, "betas",
+               self.betas, "must be two values in [0, 1)")
+        _check(self.weight_decay >= 0, name, "weight_decay", self.weight_decay, "must be >= 0")
+        _check(0 <= self.warmup_steps < self.total_steps, name, "warmup_steps",
+               self.warmup_steps, f"must be in [0, total_steps={self.total_steps})")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Everything a training run needs besides data paths.
+
+    Attributes:
+      model, sparsity, optim: the component configs.
+      batch_size: global batch in sequences per optimizer step (all micro-batches).
+      seed: seeds parameter init and dead-neuron re-init.
+      mesh_shape: (data, fsdp) device-mesh sizes; one entry may be -1 ("all the rest").
+      log_every, eval_every, eval_batches, checkpoint_every: loop cadence in steps.
+    """
+
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    sparsity: SparsityConfig = dataclasses.field(default_factory=SparsityConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    batch_size: int = 32
+    seed: int = 0
+    mesh_shape: tuple[int, int] = (-1, 1)
+    log_every: int = 10
+    eval_every: int = 100
+    eval_batches: int = 4
+    checkpoint_every: int = 500
+
+    def __post_init__(self):
+        name = "TrainConfig"
+        object.__setattr__(self, "mesh_shape", tuple(self.mesh_shape))
+        _check_positive(self, "batch_size", "log_every", "eval_every", "eval_batches",
+                        "checkpoint_every")
+        _check(self.batch_size % self.optim.grad_accum_steps == 0, name, "batch_size",
+               self.batch_size,
+               f"must be divisible by optim.grad_accum_steps={self.optim.grad_accum_steps}")
+        _check(len(self.mesh_shape) == 2
+               and all(s == -1 or s > 0 for s in self.mesh_shape)
+               and self.mesh_shape.count(-1) <= 1, name, "mesh_shape", self.mesh_shape,
+               "must be (data, fsdp) sizes > 0, at most one of them -1")
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.model.seq_len
+
+    @property
+    def tokens_until_dead(self) -> int:
+        """SparsityConfig.tokens_until_dead with None resolved to one global batch."""
+        return self.sparsity.tokens_until_dead or self.tokens_per_step
+
+
+_PAPER = dict(vocab_size=49152, d_model=2048, d_ff=5632, n_heads=32, seq_len=2048, remat=True)
+_MODEL_PRESETS = {
+    # CPU default: trains a few hundred steps in minutes on 2 cores, byte-level vocab.
+    "tiny": dict(vocab_size=512, d_model=128, d_ff=512, n_layers=4, n_heads=4, seq_len=128),
+    # Single-GPU experiment; d_ff = 8/3 * 768, a multiple of 256.
+    "125m": dict(vocab_size=49152, d_model=768, d_ff=2048, n_layers=12, n_heads=12,
+                 seq_len=1024),
+    # Paper sizes (twell.md §6).
+    "0.5b": dict(_PAPER, n_layers=8),
+    "1b": dict(_PAPER, n_layers=18),
+    "1.5b": dict(_PAPER, n_layers=28),
+    "2b": dict(_PAPER, n_layers=38),
+}
+
+
+def model_preset(name: str, **overrides: Any) -> ModelConfig:
+    """Returns the named ModelConfig preset ("tiny", "125m", "0.5b", "1b", "1.5b", "2b").
+
+    Raises:
+      ValueError: unknown name.
+    """
+    if name not in _MODEL_PRESETS:
+        raise ValueError(f"model preset {name!r}: must be one of {sorted(_MODEL_PRESETS)}")
+    return ModelConfig(**{**_MODEL_PRESETS[name], **overrides})
+
+
+def train_preset(name: str) -> TrainConfig:
+    """A TrainConfig around `model_preset(name)`; "tiny" gets a short CPU schedule.
+
+    The paper sizes use the paper recipe: 512 x 2048-token batches, 600 warmup steps,
+    30000 steps (twell_training_spec §4).
+    """
+    model = model_preset(name)
+    if name == "tiny":
+        return TrainConfig(model=model, batch_size=16,
+                           optim=OptimConfig(warmup_steps=20, total_steps=300))
+    if name == "125m":
+        return TrainConfig(model=model, batch_size=128,
+                           optim=OptimConfig(warmup_steps=200, total_steps=5000))
+    return TrainConfig(model=model, batch_size=512, mesh_shape=(1, -1))
+
+
+def config_to_dict(cfg: Any) -> dict[str, Any]:
+    """Any config dataclass -> nested plain dict (tuples become lists: JSON-friendly)."""
+
+    def plain(v):
+        if isinstance(v, tuple | list):
+            return [plain(x) for x in v]
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        return v
+
+    return plain(dataclasses.asdict(cfg))
+
+
+def _from_dict(cls: type, d: dict[str, Any], prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - names)
+    if unknown:
+        raise ValueError(f"unknown config keys: {[prefix + k for k in unknown]}")
+    kwargs = {}
+    for key, value in d.items():
+        if dataclasses.is_dataclass(hints[key]):
+            value = _from_dict(hints[key], value, f"{prefix}{key}.")
+        elif isinstance(value, list):
+            value = tuple(value)
+        kwargs[key] = value
+    return cls(**kwargs)
+
+
+def train_config_from_dict(d: dict[str, Any]) -> TrainConfig:
+    """Inverse of `config_to_dict` for a TrainConfig; missing keys take defaults.
+
+    Raises:
+      ValueError: unknown keys (named with their dotted path) or invalid values.
+    """
+    return _from_dict(TrainConfig, d, "")
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def config_diff(a: Any, b: Any) -> list[str]:
+    """Dotted keys whose values differ between two configs (dataclasses or dicts).
+
+    Returns:
+      Sorted lines "key: a_value != b_value"; empty when the configs match.
+    """
+    fa = _flatten(a if isinstance(a, dict) else config_to_dict(a))
+    fb = _flatten(b if isinstance(b, dict) else config_to_dict(b))
+    missing = object()
+    return [
+        f"{k}: {fa.get(k, missing)!r} != {fb.get(k, missing)!r}"
+        for k in sorted(set(fa) | set(fb))
+        if fa.get(k, missing) != fb.get(k, missing)
+    ]
+
+
+def _parse(text: str, current: Any, hint: Any) -> Any:
+    """Parses a string override to the type of the field it replaces."""
+    if text.lower() == "none" and type(None) in typing.get_args(hint):
+        return None
+    if isinstance(current, bool):
+        if text.lower() not in ("true", "false", "1", "0"):
+            raise ValueError(f"expected a bool, got {text!r}")
+        return text.lower() in ("true", "1")
+    if isinstance(current, tuple):
+        return tuple(type(c)(x) for c, x in zip(current, text.split(","), strict=True))
+    if isinstance(current, int | float | str):
+        return type(current)(text)
+    # None default with an `X | None` hint: parse as X.
+    base = [t for t in typing.get_args(hint) if t is not type(None)]
+    return base[0](text) if base and isinstance(hint, types.UnionType) else text
+
+
+def with_overrides(cfg: Any, overrides: dict[str, Any]) -> Any:
+    """Returns `cfg` with dotted-key overrides applied via `dataclasses.replace`.
+
+    Example: `with_overrides(cfg, {"model.d_ff": 1024, "optim.lr": "3e-4"})`. String
+    values are parsed to the field's type ("true", "0.9,0.99", "none"), so flag values
+    can be passed through unchanged. Validation reruns on every replaced dataclass.
+
+    Raises:
+      ValueError: unknown key, unparsable or invalid value.
+    """
+    grouped: dict[str, Any] = {}
+    for key, value in overrides.items():
+        head, _, rest = key.partition(".")
+        if rest:
+            grouped.setdefault(head, {})[rest] = value
+        else:
+            grouped[head] = value
+    names = {f.name for f in dataclasses.fields(cfg)}
+    hints = typing.get_type_hints(type(cfg))
+    changes = {}
+    for name, value in grouped.items():
+        if name not in names:
+            raise ValueError(f"unknown config key {name!r} for {type(cfg).__name__}")
+        current = getattr(cfg, name)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                raise ValueError(f"{name!r} is a config section: override {name}.<field>")
+            value = with_overrides(current, value)
+        elif isinstance(value, str) and not isinstance(current, str):
+            value = _parse(value, current, hints[name])
+        changes[name] = value
+    return dataclasses.replace(cfg, **changes)

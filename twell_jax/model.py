@@ -1,0 +1,311 @@
+"""Llama-style transformer with an activation-sparse FFN, in Flax NNX (twell.md §6).
+
+    tokens -> embed -> [x + Attn(RMSNorm(x)); x + FFN(RMSNorm(x))] x L -> RMSNorm
+           -> tied LM head -> logits, per-layer FFN stats
+
+Parameters are fp32 masters cast to the compute dtype (bf16) at use; no biases; every
+matrix is drawn from N(0, init_std). The L blocks are created with `nnx.vmap`, so every
+block parameter carries a leading [L] axis, and run with `jax.lax.scan` (one compiled
+layer, optional per-layer remat). FFN weights are stored [N, H] for all three matrices
+(`w_down` is down_proj transposed: out = h @ w_down), the layout the kernels read.
+
+FFN implementations (`ModelConfig.ffn_impl`):
+- "dense": XLA einsums with the hidden activation h materialised, so l1 / l0 / fired
+  are exact. The baseline, and the CPU training path.
+- "twell": `pallas_kernels.twell_gated_mlp` / `twell_mlp` (TwELL inference kernels,
+  no gradient); returns no FFN statistics.
+- "sparse": `pallas_kernels.sparse_gated_mlp_train` on layers whose `use_sparse` flag is
+  set, the dense path on the others (the l0-cutoff switch, training spec §6.5).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from twell_jax.config import ModelConfig
+from twell_jax.sparsity import hidden_stats
+
+# Mesh axes the batch dimension is split over (see `twell_jax.train.make_mesh`).
+BATCH_AXES = ("data", "fsdp")
+
+Stats = dict[str, jax.Array]
+
+
+def attention_implementation(dtype: jnp.dtype, head_dim: int) -> str:
+    """Picks `jax.nn.dot_product_attention`'s backend: cuDNN where it applies, else XLA.
+
+    cuDNN flash attention is ~5x faster than XLA's on H200 (twell.md §9) but needs a GPU,
+    a 16-bit dtype and head_dim a multiple of 8 up to 128.
+    """
+    cudnn_ok = (
+        jax.default_backend() == "gpu"
+        and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+        and head_dim % 8 == 0
+        and head_dim <= 128
+    )
+    return "cudnn" if cudnn_ok else "xla"
+
+
+def _constrain_batch(x: jax.Array) -> jax.Array:
+    """Keeps activations split over the batch axes when traced under a training mesh.
+
+    Without it the partitioner may follow the FSDP-sharded weights instead and
+    shard activations along H, which costs an all-to-all per matmul.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not set(BATCH_AXES) <= set(mesh.axis_names):
+        return x
+    return jax.lax.with_sharding_constraint(x, P(BATCH_AXES))
+
+
+def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], cfg: ModelConfig) -> nnx.Param:
+    init = jax.nn.initializers.normal(stddev=cfg.init_std)
+    return nnx.Param(init(rngs.params(), shape, cfg.weight_dtype))
+
+
+class RMSNorm(nnx.Module):
+    """y = x / rms(x) * scale, computed in fp32, returned in the compute dtype."""
+
+    def __init__(self, cfg: ModelConfig):
+        self.eps = cfg.norm_eps
+        self.out_dtype = cfg.compute_dtype
+        self.scale = nnx.Param(jnp.ones((cfg.d_model,), cfg.weight_dtype))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * self.scale[...].astype(jnp.float32)).astype(self.out_dtype)
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """cos, sin of the RoPE angles, each [S, head_dim / 2] fp32."""
+    inv_freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotates the two halves of each head (Llama / HF "rotate_half" convention).
+
+    Args:
+      x: [B, S, n_heads, head_dim].
+      cos, sin: [S, head_dim / 2] fp32.
+    """
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    c, s = cos[:, None, :], sin[:, None, :]
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """Causal multi-head self-attention with RoPE (no GQA, no biases)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        h, n, d = cfg.d_model, cfg.n_heads, cfg.head_dim
+        self.dtype = cfg.compute_dtype
+        self.wq = _normal(rngs, (h, n, d), cfg)
+        self.wk = _normal(rngs, (h, n, d), cfg)
+        self.wv = _normal(rngs, (h, n, d), cfg)
+        self.wo = _normal(rngs, (n, d, h), cfg)
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+        """x: [B, S, H] compute dtype -> [B, S, H] compute dtype."""
+        proj = lambda w: jnp.einsum("bsh,hnd->bsnd", x, w[...].astype(self.dtype))
+        q = apply_rope(proj(self.wq), cos, sin)
+        k = apply_rope(proj(self.wk), cos, sin)
+        o = jax.nn.dot_product_attention(
+            q, k, proj(self.wv), is_causal=True,
+            implementation=attention_implementation(self.dtype, q.shape[-1]),
+        )
+        return jnp.einsum("bsnd,ndh->bsh", o, self.wo[...].astype(self.dtype))
+
+
+def _proj(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [M, H] @ w [N, H]^T -> [M, N] fp32."""
+    return jnp.einsum("mh,nh->mn", x, w, preferred_element_type=jnp.float32)
+
+
+def _ffn_dense(x: jax.Array, w: dict[str, jax.Array], variant: str) -> tuple[jax.Array, Stats]:
+    """XLA FFN with h materialised in x.dtype, as a dense bf16 MLP rounds it.
+
+    Args:
+      x: [M, H] compute dtype.
+      w: "w_up", "w_down" and (gated variants) "w_gate", each [N, H] compute dtype.
+      variant: ModelConfig.ffn_variant.
+
+    Returns:
+      out [M, H] in x.dtype and `hidden_stats(h)`.
+    """
+    up = _proj(x, w["w_up"])
+    if variant == "relu":
+        h = jax.nn.relu(up).astype(x.dtype)
+    else:
+        act = jax.nn.relu if variant == "gated_relu" else jax.nn.silu
+        h = act(_proj(x, w["w_gate"])).astype(x.dtype) * up.astype(x.dtype)
+    out = jnp.einsum("mn,nh->mh", h, w["w_down"], preferred_element_type=jnp.float32)
+    return out.astype(x.dtype), hidden_stats(h)
+
+
+def _ffn_twell(x: jax.Array, w: dict[str, jax.Array], compression: int) -> jax.Array:
+    """TwELL inference kernels (no gradient). x [M, H] bf16 -> [M, H] bf16."""
+    import pallas_kernels  # Lazy: the model must import without the kernel package built.
+
+    if "w_gate" in w:
+        return pallas_kernels.twell_gated_mlp(
+            x, w["w_gate"], w["w_up"], w["w_down"], compression=compression
+        )
+    return pallas_kernels.twell_mlp(x, w["w_up"], w["w_down"], compression=compression)
+
+
+def _ffn_sparse(x: jax.Array, w: dict[str, jax.Array]) -> tuple[jax.Array, Stats]:
+    """Sparse training kernels (gated ReLU), same outputs as `_ffn_dense`.
+
+    The L1 gradient reaches the kernels through the cotangent of the differentiable
+    `stats["l1"]` (training spec §3: c = g_l1 / M), exactly as on the dense path.
+
+    Raises:
+      NotImplementedError: pallas_kernels has no `sparse_gated_mlp_train`.
+    """
+    import pallas_kernels  # Lazy, as in `_ffn_twell`.
+
+    if not hasattr(pallas_kernels, "sparse_gated_mlp_train"):
+        raise NotImplementedError(
+            "ffn_impl='sparse' needs pallas_kernels.sparse_gated_mlp_train, which this "
+            "pallas_kernels does not provide; train with ffn_impl='dense'."
+        )
+    out, stats = pallas_kernels.sparse_gated_mlp_train(x, w["w_gate"], w["w_up"], w["w_down"])
+    # lax.cond with the dense branch needs identical structures and dtypes.
+    return out.astype(x.dtype), {
+        "l1": stats["l1"].astype(jnp.float32),
+        "l0": stats["l0"].astype(jnp.float32),
+        "fired": stats["fired"].astype(bool),
+    }
+
+
+class FeedForward(nnx.Module):
+    """The FFN block, weights [N, H]: w_gate (gated variants), w_up, w_down."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        shape = (cfg.d_ff, cfg.d_model)
+        if cfg.gated:
+            self.w_gate = _normal(rngs, shape, cfg)
+        self.w_up = _normal(rngs, shape, cfg)
+        self.w_down = _normal(rngs, shape, cfg)
+
+    def __call__(self, x: jax.Array, use_sparse: jax.Array) -> tuple[jax.Array, Stats]:
+        """FFN of M tokens.
+
+        Args:
+          x: [M, H] compute dtype.
+          use_sparse: bool scalar; with ffn_impl="sparse", run the sparse kernels.
+
+        Returns:
+          out [M, H] compute dtype, and stats {l1, l0: fp32 scalars, fired: [N] bool}
+          (empty for ffn_impl="twell").
+        """
+        cfg = self.cfg
+        names = ("w_gate", "w_up", "w_down") if cfg.gated else ("w_up", "w_down")
+        w = {k: getattr(self, k)[...].astype(cfg.compute_dtype) for k in names}
+        if cfg.ffn_impl == "twell":
+            return _ffn_twell(x, w, cfg.twell_compression), {}
+        if cfg.ffn_impl == "sparse":
+            return jax.lax.cond(
+                use_sparse, _ffn_sparse, lambda x, w: _ffn_dense(x, w, cfg.ffn_variant), x, w
+            )
+        return _ffn_dense(x, w, cfg.ffn_variant)
+
+
+class Block(nnx.Module):
+    """Pre-norm transformer layer: attention then FFN, each with a residual."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.ffn_norm = RMSNorm(cfg)
+        self.ffn = FeedForward(cfg, rngs=rngs)
+
+    def __call__(
+        self, x: jax.Array, cos: jax.Array, sin: jax.Array, use_sparse: jax.Array
+    ) -> tuple[jax.Array, Stats]:
+        """x: [B, S, H] compute dtype -> ([B, S, H], this layer's FFN stats)."""
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        b, s, h = x.shape
+        out, stats = self.ffn(self.ffn_norm(x).reshape(b * s, h), use_sparse)
+        return x + out.reshape(b, s, h), stats
+
+
+class Transformer(nnx.Module):
+    """The language model. Parameter tree (pure-dict view):
+
+        embed [V, H], lm_head [V, H] (untied only), final_norm.scale [H],
+        blocks.{attn_norm,ffn_norm}.scale [L, H], blocks.attn.{wq,wk,wv} [L, H, nH, D],
+        blocks.attn.wo [L, nH, D, H], blocks.ffn.{w_gate,w_up,w_down} [L, N, H].
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed = _normal(rngs, (cfg.vocab_size, cfg.d_model), cfg)
+        if not cfg.tie_embeddings:
+            self.lm_head = _normal(rngs, (cfg.vocab_size, cfg.d_model), cfg)
+        keys = jax.random.split(rngs.params(), cfg.n_layers)
+        self.blocks = nnx.vmap(lambda k: Block(cfg, rngs=nnx.Rngs(params=k)))(keys)
+        self.final_norm = RMSNorm(cfg)
+
+    def _body(self, tokens: jax.Array, use_sparse: jax.Array | None) -> tuple[jax.Array, Stats]:
+        cfg = self.cfg
+        if use_sparse is None:
+            use_sparse = jnp.ones((cfg.n_layers,), bool)
+        x = _constrain_batch(jnp.take(self.embed[...], tokens, axis=0).astype(cfg.compute_dtype))
+        cos, sin = rope_tables(tokens.shape[1], cfg.head_dim, cfg.rope_theta)
+        graphdef, layers = nnx.split(self.blocks)
+
+        def layer(x, xs):
+            block_state, layer_use_sparse = xs
+            x, stats = nnx.merge(graphdef, block_state)(x, cos, sin, layer_use_sparse)
+            return _constrain_batch(x), stats
+
+        if cfg.remat:
+            # prevent_cse=False is safe (and faster) inside scan.
+            layer = jax.checkpoint(layer, prevent_cse=False)
+        x, stats = jax.lax.scan(layer, x, (layers, use_sparse))
+        return self.final_norm(x), stats
+
+    def body(self, tokens: jax.Array, use_sparse: jax.Array | None = None) -> jax.Array:
+        """Model body without the LM head (throughput benchmarks, twell.md §7).
+
+        Args:
+          tokens: [B, S] int32, S <= seq_len.
+          use_sparse: [L] bool per-layer switch for ffn_impl="sparse" (default: all on).
+
+        Returns:
+          Final-norm hidden states [B, S, H] in the compute dtype.
+        """
+        return self._body(tokens, use_sparse)[0]
+
+    def __call__(
+        self, tokens: jax.Array, use_sparse: jax.Array | None = None
+    ) -> tuple[jax.Array, dict[str, Any]]:
+        """Forward pass.
+
+        Args:
+          tokens: [B, S] int32, S <= seq_len.
+          use_sparse: [L] bool per-layer switch for ffn_impl="sparse" (default: all on);
+            ignored by the other implementations.
+
+        Returns:
+          logits [B, S, V] fp32 and stats stacked over layers: `l1` [L] fp32 (mean over
+          tokens of sum_N |h|, differentiable), `l0` [L] fp32 (mean non-zeros per
+          token), `fired` [L, N] bool (fired for at least one token of this batch).
+          Empty for ffn_impl="twell".
+        """
+        x, stats = self._body(tokens, use_sparse)
+        head = self.embed if self.cfg.tie_embeddings else self.lm_head
+        logits = jnp.einsum(
+            "bsh,vh->bsv", x, head[...].astype(x.dtype), preferred_element_type=jnp.float32
+        )
+        return logits, stats

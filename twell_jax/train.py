@@ -1,0 +1,344 @@
+"""Train state, optimizer, sharding rules and the jitted train / eval steps.
+
+One code path for 1 CPU, N simulated CPUs, 1 GPU and many GPUs: a 2-D device mesh
+("data", "fsdp"); the batch dimension is split over both axes; parameters and optimizer
+state are split FSDP-style over "fsdp" (largest divisible dimension, never the stacked
+layer axis) and replicated over "data".
+
+Typical use (what `experiments/pretrain.py` does):
+
+    mesh = make_mesh(*cfg.mesh_shape)
+    state = create_train_state(cfg, mesh)
+    train_step = make_train_step(cfg, mesh)
+    eval_step = make_eval_step(cfg, mesh)
+    for batch in batches:                    # {"inputs", "targets"}: int32 [B, S]
+        state, metrics = train_step(state, batch)
+    val_ce = eval_step(state.params, val_batch)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from twell_jax import sparsity
+from twell_jax.config import ModelConfig, OptimConfig, TrainConfig
+from twell_jax.model import BATCH_AXES, Transformer
+
+Batch = dict[str, jax.Array]
+Params = dict[str, Any]
+
+# Parameter subtree whose leaves carry a leading [L] axis (scanned, never sharded).
+STACKED = "blocks"
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+    """Everything a training run carries from step to step (a pytree; checkpoint it whole).
+
+    Attributes:
+      step: int32 scalar, optimizer steps taken.
+      params: pure-dict parameters (see `twell_jax.model.Transformer`), fp32.
+      opt_state: optax state of `make_optimizer`.
+      tokens_since_fired: [L, N] int32 dead-neuron counters (`twell_jax.sparsity`).
+      use_sparse: [L] bool, which layers run the sparse kernels (ffn_impl="sparse").
+    """
+
+    step: jax.Array
+    params: Params
+    opt_state: optax.OptState
+    tokens_since_fired: jax.Array
+    use_sparse: jax.Array
+
+
+def make_mesh(data: int = -1, fsdp: int = 1, devices: list | None = None) -> Mesh:
+    """Device mesh with axes ("data", "fsdp").
+
+    Args:
+      data, fsdp: axis sizes; one may be -1 to take all remaining devices.
+      devices: defaults to all of `jax.devices()`.
+
+    Raises:
+      ValueError: the sizes do not multiply to the device count.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    if data == -1:
+        data = len(devices) // fsdp
+    elif fsdp == -1:
+        fsdp = len(devices) // data
+    if data * fsdp != len(devices) or data < 1 or fsdp < 1:
+        raise ValueError(f"mesh (data={data}, fsdp={fsdp}) does not fit {len(devices)} devices")
+    # Auto axes: the partitioner propagates shardings; no sharding-in-types rules.
+    return jax.make_mesh(
+        (data, fsdp), ("data", "fsdp"), (AxisType.Auto, AxisType.Auto), devices=devices
+    )
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """[B, S] batches: B split over data x fsdp."""
+    return NamedSharding(mesh, P(BATCH_AXES))
+
+
+def param_spec(path: tuple, shape: tuple[int, ...], fsdp_size: int) -> P:
+    """FSDP rule: split the largest dimension divisible by the fsdp size, else replicate.
+
+    The leading [L] axis of stacked block parameters is excluded: `lax.scan` slices it,
+    so sharding it would gather every layer at once.
+    """
+    keys = {getattr(k, "key", getattr(k, "name", None)) for k in path}
+    first = 1 if STACKED in keys else 0
+    dims = [d for d in range(first, len(shape)) if shape[d] % fsdp_size == 0]
+    if fsdp_size == 1 or not dims:
+        return P()
+    best = max(dims, key=lambda d: shape[d])
+    return P(*[("fsdp" if d == best else None) for d in range(len(shape))])
+
+
+def _tree_shardings(tree: Any, mesh: Mesh) -> Any:
+    fsdp = mesh.shape["fsdp"]
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: NamedSharding(mesh, param_spec(path, x.shape, fsdp)), tree
+    )
+
+
+def lr_schedule(cfg: OptimConfig) -> optax.Schedule:
+    """Linear warmup 0 -> lr over warmup_steps, cosine to 0 at total_steps."""
+    return optax.warmup_cosine_decay_schedule(
+        0.0, cfg.lr, cfg.warmup_steps, cfg.total_steps, end_value=0.0
+    )
+
+
+def _decay_mask(params: Params) -> Any:
+    """Weight decay on everything but norm scales (HF default, as the paper)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: not any(str(getattr(k, "key", "")).endswith("norm") for k in path),
+        params,
+    )
+
+
+def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
+    """Global-norm clipping then AdamW on `lr_schedule(cfg)`."""
+    b1, b2 = cfg.betas
+    return optax.chain(
+        optax.clip_by_global_norm(cfg.clip_norm),
+        optax.adamw(lr_schedule(cfg), b1=b1, b2=b2, eps=cfg.eps,
+                    weight_decay=cfg.weight_decay, mask=_decay_mask),
+    )
+
+
+def model_graphdef(cfg: ModelConfig) -> nnx.GraphDef:
+    """Static structure of `Transformer(cfg)`: `nnx.merge(model_graphdef(cfg), params)`.
+
+    The parameter tree is the same for every ffn_impl, so trained params can be merged
+    into a graphdef with ffn_impl="twell" for inference.
+    """
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    return nnx.split(abstract)[0]
+
+
+def _init_state(cfg: TrainConfig, rng: jax.Array) -> TrainState:
+    model = Transformer(cfg.model, rngs=nnx.Rngs(params=rng))
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    m = cfg.model
+    return TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        opt_state=make_optimizer(cfg.optim).init(params),
+        tokens_since_fired=sparsity.init_tokens_since_fired(m.n_layers, m.d_ff),
+        # Layers start dense; the l0-cutoff switch turns them sparse (training spec §4).
+        use_sparse=jnp.zeros((m.n_layers,), bool),
+    )
+
+
+def train_state_shardings(cfg: TrainConfig, mesh: Mesh) -> TrainState:
+    """NamedSharding of every TrainState leaf (for jit and checkpoint restore)."""
+    abstract = jax.eval_shape(lambda: _init_state(cfg, jax.random.key(0)))
+    return _tree_shardings(abstract, mesh)
+
+
+def abstract_train_state(cfg: TrainConfig, mesh: Mesh) -> TrainState:
+    """TrainState of `jax.ShapeDtypeStruct`s with shardings: an Orbax restore target."""
+    abstract = jax.eval_shape(lambda: _init_state(cfg, jax.random.key(0)))
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        abstract, train_state_shardings(cfg, mesh),
+    )
+
+
+def create_train_state(cfg: TrainConfig, mesh: Mesh, rng: jax.Array | None = None) -> TrainState:
+    """Initialises parameters and optimizer state directly in their sharded layout.
+
+    Args:
+      cfg: the run config.
+      mesh: from `make_mesh`.
+      rng: parameter-init key; defaults to `jax.random.key(cfg.seed)`.
+    """
+    rng = jax.random.key(cfg.seed) if rng is None else rng
+    init = jax.jit(_init_state, static_argnums=0, out_shardings=train_state_shardings(cfg, mesh))
+    return init(cfg, rng)
+
+
+def _microbatches(x: jax.Array, n: int) -> jax.Array:
+    """[B, S] -> [n, B / n, S], keeping each device's rows on that device.
+
+    Row r goes to micro-batch r % n: a contiguous per-device block of B rows stays a
+    contiguous block of B / n rows in every micro-batch.
+    """
+    b, s = x.shape
+    x = x.reshape(b // n, n, s).swapaxes(0, 1)
+    return jax.lax.with_sharding_constraint(x, P(None, BATCH_AXES))
+
+
+def _with_mesh(fn: Callable, mesh: Mesh) -> Callable:
+    """Calls `fn` with `mesh` set, so the model's sharding constraints see it."""
+
+    def wrapped(*args):
+        with jax.set_mesh(mesh):
+            return fn(*args)
+
+    return wrapped
+
+
+def make_train_step(
+    cfg: TrainConfig, mesh: Mesh
+) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
+    """Builds the jitted optimizer step (the input state is donated).
+
+    One call: `optim.grad_accum_steps` micro-batches scanned inside the jit (gradients
+    averaged in fp32), AdamW update, dead-neuron counters, optional dead-row re-init
+    every `sparsity.reinit_dead_every` steps, and the per-layer sparse switch every
+    `sparsity.sparse_recheck_every` steps (ffn_impl="sparse").
+
+    Args:
+      cfg: the run config.
+      mesh: from `make_mesh`.
+
+    Returns:
+      `step(state, batch) -> (state, metrics)`, batch {"inputs", "targets"} int32 [B, S]
+      with B = cfg.batch_size. Metrics (device arrays; `jax.device_get` them):
+      scalars loss, ce, l1_loss (lambda * L1 term), l1_coef, grad_norm (before
+      clipping), lr; per layer [L]: l1, l0, sparsity (1 - l0/N), alive, use_sparse.
+
+    Raises:
+      ValueError: ffn_impl="twell" (inference kernels have no gradient).
+    """
+    if cfg.model.ffn_impl == "twell":
+        raise ValueError("ModelConfig.ffn_impl='twell' is inference-only: train with "
+                         "'dense' or 'sparse'")
+    graphdef = model_graphdef(cfg.model)
+    optimizer = make_optimizer(cfg.optim)
+    schedule = lr_schedule(cfg.optim)
+    sp = cfg.sparsity
+    n_micro = cfg.optim.grad_accum_steps
+    state_shardings = train_state_shardings(cfg, mesh)
+    param_shardings = state_shardings.params
+
+    def loss_fn(params, batch, use_sparse, step):
+        logits, stats = nnx.merge(graphdef, params)(batch["inputs"], use_sparse)
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+        l1_loss = sparsity.l1_penalty(stats["l1"], params, step, sp)
+        return ce + l1_loss, (ce, l1_loss, stats)
+
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def step_fn(state: TrainState, batch: Batch):
+        def micro_step(grads_sum, micro_batch):
+            (loss, aux), grads = grad_fn(state.params, micro_batch, state.use_sparse, state.step)
+            grads_sum = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads_sum, grads)
+            return grads_sum, (loss, *aux)
+
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+        micro = jax.tree.map(lambda x: _microbatches(x, n_micro), batch)
+        grads, (loss, ce, l1_loss, stats) = jax.lax.scan(micro_step, zeros, micro)
+        grads = jax.tree.map(lambda g: g / n_micro, grads)
+        # Reduce-scatter gradients into the parameter layout before the update.
+        grads = jax.lax.with_sharding_constraint(grads, param_shardings)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+
+        l0 = stats["l0"].mean(axis=0)
+        fired = stats["fired"].any(axis=0)
+        tokens_since_fired = sparsity.update_tokens_since_fired(
+            state.tokens_since_fired, fired, cfg.tokens_per_step
+        )
+        alive = sparsity.alive_fraction(tokens_since_fired, cfg.tokens_until_dead)
+        next_step = state.step + 1
+        if sp.reinit_dead_every:
+            params, tokens_since_fired = jax.lax.cond(
+                next_step % sp.reinit_dead_every == 0,
+                lambda p, t: sparsity.reinit_dead_rows(
+                    p, t, jax.random.fold_in(jax.random.key(cfg.seed), next_step),
+                    cfg.model, cfg.tokens_until_dead,
+                ),
+                lambda p, t: (p, t),
+                params, tokens_since_fired,
+            )
+        use_sparse = state.use_sparse
+        if cfg.model.ffn_impl == "sparse":
+            use_sparse = jnp.where(
+                state.step % sp.sparse_recheck_every == 0, l0 < sp.sparse_l0_cutoff, use_sparse
+            )
+        new_state = TrainState(next_step, params, opt_state, tokens_since_fired, use_sparse)
+        metrics = {
+            "loss": loss.mean(),
+            "ce": ce.mean(),
+            "l1_loss": l1_loss.mean(),
+            "l1_coef": sparsity.l1_coef_at(state.step, sp),
+            "grad_norm": optax.global_norm(grads),
+            "lr": schedule(state.step),
+            "l1": stats["l1"].mean(axis=0),
+            "l0": l0,
+            "sparsity": sparsity.sparsity_fraction(l0, cfg.model.d_ff),
+            "alive": alive,
+            "use_sparse": state.use_sparse,
+        }
+        return new_state, metrics
+
+    jitted = jax.jit(
+        step_fn,
+        in_shardings=(state_shardings, batch_sharding(mesh)),
+        out_shardings=(state_shardings, NamedSharding(mesh, P())),
+        donate_argnums=0,
+    )
+    return _with_mesh(jitted, mesh)
+
+
+def make_eval_step(cfg: TrainConfig, mesh: Mesh) -> Callable[[Params, Batch], jax.Array]:
+    """Builds the jitted validation step: `eval_step(params, batch) -> mean CE` (fp32 scalar).
+
+    ffn_impl="sparse" evaluates through the dense path (same function; the sparse
+    kernels exist for their backward pass). "twell" evaluates the inference kernels.
+    """
+    model_cfg = cfg.model
+    if model_cfg.ffn_impl == "sparse":
+        model_cfg = dataclasses.replace(model_cfg, ffn_impl="dense")
+    graphdef = model_graphdef(model_cfg)
+
+    def eval_fn(params, batch):
+        logits, _ = nnx.merge(graphdef, params)(batch["inputs"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+    jitted = jax.jit(
+        eval_fn,
+        in_shardings=(train_state_shardings(cfg, mesh).params, batch_sharding(mesh)),
+        out_shardings=NamedSharding(mesh, P()),
+    )
+    return _with_mesh(jitted, mesh)
+
+
+def host_metrics(metrics: dict[str, jax.Array]) -> dict[str, float | np.ndarray]:
+    """Device metrics -> Python floats (scalars) and numpy arrays (per layer)."""
+    return {
+        k: (float(v) if np.ndim(v) == 0 else np.asarray(v))
+        for k, v in jax.device_get(metrics).items()
+    }
