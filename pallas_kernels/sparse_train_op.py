@@ -1,0 +1,307 @@
+"""Sparse gated MLP for training: hybrid ELL + dense tail behind one `custom_vjp`.
+
+out = (relu(x Wg^T) * (x Wu^T)) Wd with the ELL path of twell.md §5:
+
+forward   U = x Wg^T (dense XLA GEMM) -> P = relu(U) compacted to ELL rows of width W
+          (true counts kept); rows with more than W positives go to a dense tail whose
+          static capacity is picked on the device from a few buckets (`lax.switch`);
+          R = x Wu^T only at P's entries (SDDMM), T = P * R, out = T Wd (row SpMM);
+          the tail rows run the dense formula on a [C, H] gather.
+backward  dT = gO Wd^T at the entries + (dL/dl1 / M) sign(T); dR = dT P; dU = dT R;
+          dx = dR Wu + dU Wg (one row SpMM); dWu = dR^T x, dWg = dU^T x, dWd = T^T gO
+          (SpMM over a neuron-sorted index); the tail rows through `jax.vjp` of the
+          dense formula on their gather.
+fallback  when the heavy rows exceed the largest tail capacity, the whole call (forward
+          and backward) runs the dense formula; `stats.dense_fallback` says so.
+
+The L1 term is differentiable through `stats.l1`: a loss `f(out) + lam * stats.l1`
+gets exactly the gradient of the dense reference with its L1 term. `l1_coef` adds the
+gradient of `l1_coef * l1` on top (for callers that do not put l1 in the loss).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels import _triton
+from pallas_kernels import hybrid_format as hf
+from pallas_kernels import sparse_train as st
+from pallas_kernels.reference import gated_hidden
+
+_F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseTrainConfig:
+    """Static configuration of `sparse_gated_mlp_train` (hashable).
+
+    Attributes:
+        ell_width: W, ELL slots per row (power of two, multiple of `chunk`).
+        tail_capacities: ascending static row capacities of the dense tail; 0 means
+            "no tail work". More heavy rows than the largest: dense fallback.
+        impl: "pallas" (Triton kernels) or "xla" (same algorithm in plain jnp, for CPU
+            and tests: it materialises [M, W, H] gathers).
+        compact_block_rows, compact_block_cols: compaction tile (powers of two).
+        chunk: ELL slots / CSC entries gathered per step (power of two).
+        block_h: H columns per program or step (power of two dividing H).
+        num_warps: Triton warps of the gather kernels.
+    """
+
+    ell_width: int = 128
+    tail_capacities: tuple[int, ...] = (0, 256, 1024, 2048)
+    impl: str = "pallas"
+    compact_block_rows: int = 32
+    compact_block_cols: int = 128
+    chunk: int = 16
+    block_h: int = 512
+    num_warps: int = 4
+
+    def __post_init__(self):
+        caps = self.tail_capacities
+        if not caps or list(caps) != sorted(caps) or caps[0] < 0:
+            raise ValueError(f"tail_capacities must be ascending and >= 0, got {caps}")
+        if self.impl not in ("pallas", "xla"):
+            raise ValueError(f"impl must be 'pallas' or 'xla', got {self.impl!r}")
+        for name in ("ell_width", "compact_block_rows", "compact_block_cols", "chunk", "block_h"):
+            v = getattr(self, name)
+            if v <= 0 or v & (v - 1):
+                raise ValueError(f"{name} must be a power of two, got {v}")
+        if self.ell_width % self.chunk:
+            raise ValueError(f"ell_width {self.ell_width} is not a multiple of chunk {self.chunk}")
+
+
+class SparseTrainStats(NamedTuple):
+    """Per-call statistics (per shard under `shard_map`).
+
+    Attributes:
+        l0: fp32 scalar, mean number of positive gate entries per token (exact).
+        l1: fp32 scalar, mean over tokens of sum over N of |h|; differentiable.
+        tail_rows: int32 scalar, rows with more than W positives (tail or fallback).
+        tail_capacity: int32 scalar, capacity of the tail bucket used (-1: fallback).
+        dense_fallback: int32 scalar, 1 when the tail was full and the call ran densely.
+        fired: bool [N], neurons positive for at least one token.
+    """
+
+    l0: jax.Array
+    l1: jax.Array
+    tail_rows: jax.Array
+    tail_capacity: jax.Array
+    dense_fallback: jax.Array
+    fired: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    config: SparseTrainConfig
+    interpret: bool
+
+
+def sparse_train_supported(m: int, h: int, n: int, config: SparseTrainConfig) -> str | None:
+    """Why the Pallas path cannot run these shapes, or None when it can."""
+    del m
+    if config.impl == "xla":
+        return None
+    if h % config.block_h:
+        return f"H={h} is not a multiple of block_h={config.block_h}"
+    if n % config.compact_block_cols:
+        return f"N={n} is not a multiple of compact_block_cols={config.compact_block_cols}"
+    return None
+
+
+def _dense_block(x, wg, wu, wd):
+    """Dense gated MLP as the reference computes it: (out [C, H], sum |h|)."""
+    hid = gated_hidden(x, wg, wu)
+    out = jnp.einsum("mn,nh->mh", hid, wd, preferred_element_type=_F32).astype(x.dtype)
+    return out, jnp.sum(jnp.abs(hid.astype(_F32)))
+
+
+def _gather_rows(a, rows):
+    return a.at[rows].get(mode="fill", fill_value=0)
+
+
+def _pad_rows(a, c_max):
+    return jnp.pad(a, ((0, c_max - a.shape[0]), (0, 0)))
+
+
+def _tail_fwd(cap, x, rows, wg, wu, wd):
+    """Dense formula on the first `cap` tail rows: (out [C_max, H], sum |h|)."""
+    c_max = rows.shape[0]
+    if cap == 0:
+        return jnp.zeros((c_max, x.shape[1]), x.dtype), jnp.zeros((), _F32)
+    out, l1 = _dense_block(_gather_rows(x, rows[:cap]), wg, wu, wd)
+    return _pad_rows(out, c_max), l1
+
+
+def _tail_bwd(cap, x, g_out, rows, wg, wu, wd, scale, dws):
+    """Adds the tail rows' gradients: (dx rows [C_max, H], (dWg, dWu, dWd))."""
+    c_max = rows.shape[0]
+    if cap == 0:
+        return jnp.zeros((c_max, x.shape[1]), x.dtype), dws
+    sel = rows[:cap]
+    _, vjp = jax.vjp(_dense_block, _gather_rows(x, sel), wg, wu, wd)
+    dxt, *dw_t = vjp((_gather_rows(g_out, sel), scale))
+    dws = tuple(
+        (a.astype(_F32) + b.astype(_F32)).astype(a.dtype) for a, b in zip(dws, dw_t, strict=True)
+    )
+    return _pad_rows(dxt, c_max), dws
+
+
+def _kernel_kwargs(static: _Static) -> dict:
+    c = static.config
+    return dict(
+        impl=c.impl,
+        chunk=c.chunk,
+        block_h=c.block_h,
+        num_warps=c.num_warps,
+        interpret=static.interpret,
+    )
+
+
+def _forward(static: _Static, x, wg, wu, wd):
+    cfg = static.config
+    m, width, caps = x.shape[0], cfg.ell_width, cfg.tail_capacities
+    kw = _kernel_kwargs(static)
+    with jax.named_scope("twell_gate_gemm"):
+        p = jax.nn.relu(jnp.einsum("mh,nh->mn", x, wg, preferred_element_type=_F32))
+        p = p.astype(x.dtype)
+    with jax.named_scope("twell_compact"):
+        ell, fired = st.compact_rows(
+            p,
+            width=width,
+            impl=cfg.impl,
+            block_rows=cfg.compact_block_rows,
+            block_cols=cfg.compact_block_cols,
+            num_warps=cfg.num_warps,
+            interpret=static.interpret,
+        )
+        plan = hf.plan_tail(ell.counts, width, caps)
+        ell_count = hf.ell_counts(ell.counts, width)
+    fallback = plan.bucket == len(caps)
+
+    def sparse(_):
+        with jax.named_scope("twell_sddmm_up"):
+            r, t, l1_rows = st.sddmm_up(x, wu, ell_count, ell.cols, ell.vals, **kw)
+        with jax.named_scope("twell_spmm_down"):
+            out = st.spmm_rows(((t, wd),), ell_count, ell.cols, out_dtype=x.dtype, **kw)
+        with jax.named_scope("twell_tail_fwd"):
+            branches = [functools.partial(_tail_fwd, cap) for cap in caps]
+            out_t, l1_t = lax.switch(plan.bucket, branches, x, plan.rows, wg, wu, wd)
+            out = out.at[plan.rows].set(out_t, mode="drop")
+        return out, jnp.sum(l1_rows) + l1_t, r, t
+
+    def dense(_):
+        out, l1_sum = _dense_block(x, wg, wu, wd)
+        zeros = jnp.zeros_like(ell.vals)
+        return out, l1_sum, zeros, zeros
+
+    out, l1_sum, r, t = lax.cond(fallback, dense, sparse, None)
+    cap_used = jnp.asarray((*caps, -1), jnp.int32)[plan.bucket]
+    stats = SparseTrainStats(
+        l0=jnp.sum(ell.counts).astype(_F32) / m,
+        l1=l1_sum / m,
+        tail_rows=plan.n_rows,
+        tail_capacity=cap_used,
+        dense_fallback=fallback.astype(jnp.int32),
+        fired=fired,
+    )
+    res = (x, wg, wu, wd, ell_count, ell.cols, ell.vals, r, t, plan.rows, plan.bucket)
+    return out, stats, res
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _op(static, l1_coef, x, wg, wu, wd):
+    out, stats, _ = _forward(static, x, wg, wu, wd)
+    return out, stats
+
+
+def _op_fwd(static, l1_coef, x, wg, wu, wd):
+    out, stats, res = _forward(static, x, wg, wu, wd)
+    return (out, stats), (l1_coef, *res)
+
+
+def _op_bwd(static, res, cts):
+    cfg = static.config
+    l1_coef, x, wg, wu, wd, ell_count, cols, p_vals, r, t, rows, bucket = res
+    g_out, g_stats = cts
+    m, n, caps = x.shape[0], wg.shape[0], cfg.tail_capacities
+    g_out = g_out.astype(x.dtype)
+    # d loss / d sum|T|: the l1 cotangent (loss = ... + lam * l1) plus the baked-in coef.
+    scale = (g_stats.l1.astype(_F32) + l1_coef) / m
+    kw = _kernel_kwargs(static)
+
+    def sparse(_):
+        with jax.named_scope("twell_sddmm_grad"):
+            dr, du = st.sddmm_grad(g_out, wd, ell_count, cols, p_vals, r, t, scale[None], **kw)
+        with jax.named_scope("twell_spmm_dx"):
+            dx = st.spmm_rows(((dr, wu), (du, wg)), ell_count, cols, out_dtype=x.dtype, **kw)
+        with jax.named_scope("twell_csc_index"):
+            csc = hf.build_csc(ell_count, cols, n)
+            entries = st.csc_entries(csc, cfg.ell_width, dr, du, t)
+        with jax.named_scope("twell_spmm_csc"):
+            dwu, dwg, dwd = st.spmm_csc(csc.offsets, *entries, x, g_out, **kw)
+        with jax.named_scope("twell_tail_bwd"):
+            branches = [functools.partial(_tail_bwd, cap) for cap in caps]
+            dx_t, (dwg, dwu, dwd) = lax.switch(
+                bucket, branches, x, g_out, rows, wg, wu, wd, scale, (dwg, dwu, dwd)
+            )
+            dx = dx.at[rows].set(dx_t, mode="drop")
+        return dx, dwg, dwu, dwd
+
+    def dense(_):
+        _, vjp = jax.vjp(_dense_block, x, wg, wu, wd)
+        return vjp((g_out, scale))
+
+    dx, dwg, dwu, dwd = lax.cond(bucket == len(caps), dense, sparse, None)
+    return jnp.zeros_like(l1_coef), dx, dwg, dwu, dwd
+
+
+_op.defvjp(_op_fwd, _op_bwd)
+
+
+def sparse_gated_mlp_train(
+    x: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    *,
+    l1_coef: float | jax.Array = 0.0,
+    config: SparseTrainConfig = SparseTrainConfig(),
+    interpret: bool | None = None,
+) -> tuple[jax.Array, SparseTrainStats]:
+    """Activation-sparse gated ReLU MLP with a sparse backward (twell.md §5).
+
+    Args:
+        x: [..., H] tokens (bf16); leading axes are flattened to M tokens.
+        w_gate, w_up, w_down: [N, H] (w_down is down_proj transposed).
+        l1_coef: adds the gradient of `l1_coef * stats.l1` in the backward without
+            the caller putting l1 in its loss (traced scalar: warmups are fine). Use
+            either this or `lam * stats.l1` in the loss, not both.
+        config: static SparseTrainConfig.
+        interpret: Pallas interpret mode (None: interpret unless on a GPU).
+
+    Returns:
+        (out [..., H] in x.dtype, SparseTrainStats). Gradients flow to x, the three
+        weights and, through `stats.l1`, into the L1 term.
+
+    Raises:
+        ValueError: shapes the Pallas kernels do not support (see
+            `sparse_train_supported`) or inconsistent weight shapes.
+    """
+    lead, h = x.shape[:-1], x.shape[-1]
+    n = w_gate.shape[0]
+    for w in (w_gate, w_up, w_down):
+        if w.shape != (n, h):
+            raise ValueError(f"weights must all be [N, H] = {(n, h)}, got {w.shape}")
+    x2 = x.reshape(-1, h)
+    reason = sparse_train_supported(x2.shape[0], h, n, config)
+    if reason:
+        raise ValueError(f"sparse_gated_mlp_train: {reason}")
+    static = _Static(config, _triton.resolve_interpret(interpret))
+    out, stats = _op(static, jnp.asarray(l1_coef, _F32), x2, w_gate, w_up, w_down)
+    return out.reshape(*lead, h), stats
