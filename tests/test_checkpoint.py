@@ -1,0 +1,126 @@
+"""Orbax checkpointer: round trip, retention, config check, corrupt and interrupted saves."""
+
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from twell_jax import checkpoint
+
+CONFIG = {"model": {"d_model": 8, "n_layers": 2}, "train": {"lr": 1e-3, "total_steps": 10}}
+SHARDING = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+
+def _state(step: int) -> dict:
+    return {
+        "params": {
+            "w": jnp.full((4, 8), step, jnp.float32),
+            "b": jnp.arange(8, dtype=jnp.bfloat16),
+        },
+        "opt": {"mu": jnp.arange(3) * step},
+        "step": jnp.array(step, jnp.int32),
+    }
+
+
+def _abstract(state) -> dict:
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=SHARDING), state)
+
+
+def _saved(tmp_path, steps, max_to_keep=3) -> checkpoint.Checkpointer:
+    ckpt = checkpoint.Checkpointer(tmp_path / "ckpt", max_to_keep=max_to_keep)
+    for s in steps:
+        ckpt.save(s, _state(s), {"grain": {"next_index": s}}, CONFIG)
+    ckpt.wait()
+    return ckpt
+
+
+def _assert_state(restored, step):
+    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(_state(step)), strict=True):
+        assert got.dtype == want.dtype and got.sharding == SHARDING
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_round_trip_and_keep_last_n(tmp_path):
+    ckpt = _saved(tmp_path, [1, 2, 3, 4], max_to_keep=2)
+    assert ckpt.all_steps() == [3, 4] and ckpt.latest_step() == 4
+    ckpt.close()
+    with checkpoint.Checkpointer(tmp_path / "ckpt", max_to_keep=2) as reopened:
+        state, data_state, config, step = reopened.restore(_abstract(_state(0)), config=CONFIG)
+        assert step == 4 and data_state == {"grain": {"next_index": 4}} and config == CONFIG
+        _assert_state(state, 4)
+        # Concrete arrays work as the target too: their shardings are used.
+        _assert_state(reopened.restore(_state(0), step=3).state, 3)
+
+
+def test_config_mismatch_lists_keys_and_ignores_allowed_ones(tmp_path):
+    with _saved(tmp_path, [1]) as ckpt:
+        target = _abstract(_state(0))
+        longer = {**CONFIG, "train": {"lr": 1e-3, "total_steps": 99}}
+        assert ckpt.restore(target, config=longer).step == 1
+        changed = {"model": {"d_model": 8, "n_layers": 3}, "train": {"lr": 2e-3, "total_steps": 10}}
+        with pytest.raises(ValueError, match=r"2 key\(s\)") as err:
+            ckpt.restore(target, config=changed)
+        assert "model.n_layers: saved 2, current 3" in str(err.value)
+        assert "train.lr" in str(err.value)
+        assert ckpt.restore(target, config=changed, ignore_keys=["n_layers", "train.lr"]).step == 1
+
+
+def test_shape_mismatch_is_not_called_corruption(tmp_path):
+    with _saved(tmp_path, [1, 2]) as ckpt:
+        target = _abstract(_state(0))
+        target["params"]["w"] = jax.ShapeDtypeStruct((5, 8), jnp.float32, sharding=SHARDING)
+        with pytest.raises(ValueError, match=r"params/w: saved \(4, 8\), target \(5, 8\)"):
+            ckpt.restore(target)
+        assert ckpt.all_steps() == [1, 2]
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete", "metadata"])
+def test_corrupt_step_errors_and_falls_back_to_the_previous_one(tmp_path, damage):
+    ckpt = _saved(tmp_path, [1, 2])
+    step_dir = tmp_path / "ckpt" / "2"
+    arrays = [p for p in (step_dir / "state" / "d").iterdir() if p.is_file()]
+    if damage == "truncate":
+        for p in arrays:
+            p.write_bytes(p.read_bytes()[:10])
+    elif damage == "delete":
+        for p in arrays:
+            p.unlink()
+    else:
+        (step_dir / "state" / "_METADATA").write_text("{garbled")
+    target = _abstract(_state(0))
+    with pytest.raises(checkpoint.CheckpointCorruptError, match=f"step 2 at {step_dir}"):
+        ckpt.restore(target, step=2)
+    state, data_state, _, step = ckpt.restore(target)
+    assert step == 1 and data_state == {"grain": {"next_index": 1}}
+    _assert_state(state, 1)
+    # The bad step is moved aside, not deleted, and training can save step 2 again.
+    assert not step_dir.exists() and list((tmp_path / "ckpt").glob("2.corrupt-*"))
+    assert ckpt.all_steps() == [1]
+    ckpt.save(2, _state(2), {"grain": {"next_index": 2}}, CONFIG)
+    ckpt.wait()
+    _assert_state(ckpt.restore(target).state, 2)
+    ckpt.close()
+
+
+def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path):
+    _saved(tmp_path, [1, 2]).close()
+    # What a killed save leaves behind: a partial step directory under Orbax's tmp name.
+    partial = tmp_path / "ckpt" / "3.orbax-checkpoint-tmp-1234567"
+    shutil.copytree(tmp_path / "ckpt" / "2", partial)
+    shutil.rmtree(partial / "state" / "d")
+    with checkpoint.Checkpointer(tmp_path / "ckpt") as ckpt:
+        assert ckpt.latest_step() == 2
+        _assert_state(ckpt.restore(_abstract(_state(0))).state, 2)
+        ckpt.save(3, _state(3), {"grain": {"next_index": 3}}, CONFIG)
+        ckpt.wait()
+        assert ckpt.all_steps() == [1, 2, 3]
+        _assert_state(ckpt.restore(_abstract(_state(0))).state, 3)
+
+
+def test_no_checkpoint_is_a_clear_error(tmp_path):
+    with checkpoint.Checkpointer(tmp_path / "empty") as ckpt:
+        assert ckpt.latest_step() is None
+        with pytest.raises(FileNotFoundError, match="no checkpoint"):
+            ckpt.restore(_abstract(_state(0)))
