@@ -296,7 +296,7 @@ def prepare_corpus(
             "source": source,
             "python": sys.version.split()[0],
             "val_fraction": val_fraction,
-            "tokenizer": _tokenizer_meta(tokenizer, data_dir),
+            "tokenizer": _tokenizer_meta(tokenizer),
             "splits": {
                 s: {
                     "num_docs": w.num_docs,
@@ -308,6 +308,10 @@ def prepare_corpus(
         }
         if meta_path.exists():  # overwrite: the old corpus is incomplete from here on
             meta_path.unlink()
+        if tokenizer.spec != tokenizer_lib.BYTE_SPEC:  # keep data_dir self-contained
+            dst = data_dir / TOKENIZER_FILE
+            if not (dst.exists() and os.path.samefile(tokenizer.spec, dst)):
+                shutil.copyfile(tokenizer.spec, dst)
         for w in writers.values():
             for shard in w.shards:
                 os.replace(tmp_dir / shard["file"], data_dir / shard["file"])
@@ -320,16 +324,11 @@ def prepare_corpus(
     return meta
 
 
-def _tokenizer_meta(tokenizer: tokenizer_lib.Tokenizer, data_dir: Path) -> dict[str, Any]:
-    """Records the tokenizer; a tokenizer.json is copied so `data_dir` is self-contained."""
-    spec = tokenizer.spec
-    if spec != tokenizer_lib.BYTE_SPEC:
-        dst = data_dir / TOKENIZER_FILE
-        if not (dst.exists() and os.path.samefile(spec, dst)):
-            shutil.copyfile(spec, dst)
-        spec = TOKENIZER_FILE
+def _tokenizer_meta(tokenizer: tokenizer_lib.Tokenizer) -> dict[str, Any]:
+    """The tokenizer's meta.json entry; a tokenizer.json is recorded as its copy in data_dir."""
+    byte = tokenizer.spec == tokenizer_lib.BYTE_SPEC
     return {
-        "spec": spec,
+        "spec": tokenizer.spec if byte else TOKENIZER_FILE,
         "vocab_size": tokenizer.vocab_size,
         "eos_id": tokenizer.eos_id,
         "fingerprint": tokenizer.fingerprint(),
@@ -383,7 +382,10 @@ def ensure_default_data(
             data_dir,
             stdlib_root(),
         )
-        prepare_corpus(stdlib_documents(), data_dir, tok, source=f"stdlib:{stdlib_root()}")
+        try:
+            prepare_corpus(stdlib_documents(), data_dir, tok, source=f"stdlib:{stdlib_root()}")
+        except FileExistsError:
+            logging.info("another process prepared %s meanwhile", data_dir)
     meta = load_meta(data_dir)
     if meta["tokenizer"]["fingerprint"] != tok.fingerprint():
         raise ValueError(
