@@ -106,6 +106,16 @@ def test_corrupt_step_errors_and_falls_back_to_the_previous_one(tmp_path, damage
     ckpt.close()
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_all_steps_unreadable_moves_nothing(tmp_path):
+    with _saved(tmp_path, [1, 2]) as ckpt:
+        for step in (1, 2):
+            (tmp_path / "ckpt" / str(step) / "state" / "_METADATA").write_text("{garbled")
+        with pytest.raises(checkpoint.CheckpointCorruptError, match=r"no step .* \[1, 2\]"):
+            ckpt.restore(_abstract(_state(0)))
+        assert ckpt.all_steps() == [1, 2]
+
+
 def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path):
     _saved(tmp_path, [1, 2]).close()
     # What a killed save leaves behind: a partial step directory under Orbax's tmp name.

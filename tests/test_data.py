@@ -140,7 +140,7 @@ def test_batches_shapes_and_shifted_targets(prepared):
 
 def test_shuffle_is_seeded_and_epochs_repeat(prepared):
     out, _, _ = prepared
-    n = len(data.TokenWindows(data.open_shards(out, "train"), SEQ_LEN, 257, []))
+    n = len(data.TokenWindows(data.open_shards(out, "train"), SEQ_LEN, 257))
     two_epochs = -(-2 * n // 4)  # batches
     a = _rows(_take(data.make_train_iterator(_cfg(out, seed=3)), two_epochs))
     b = _rows(_take(data.make_train_iterator(_cfg(out, seed=3)), two_epochs))

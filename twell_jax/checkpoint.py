@@ -43,6 +43,10 @@ CORRUPT_SUFFIX = ".corrupt"
 class CheckpointCorruptError(ValueError):
     """A checkpoint step could not be read; the message names the step and its path."""
 
+    def __init__(self, message: str, step: int | None = None):
+        super().__init__(message)
+        self.step = step
+
 
 class Restored(NamedTuple):
     """What `Checkpointer.restore` returns.
@@ -69,7 +73,7 @@ class Checkpointer:
         """Opens (creating if needed) the checkpoint directory.
 
         Args:
-          directory: where step directories live; local path or any epath URL.
+          directory: where step directories live (a local or mounted file system path).
           max_to_keep: keep this many newest steps; None keeps all.
           async_save: return from `save` once arrays are copied off the device and write in
             the background (call `wait()` before reading the files).
@@ -100,7 +104,7 @@ class Checkpointer:
           step: the training step; must be larger than every saved step.
           state: pytree of jax.Arrays (sharded arrays are saved by every process).
           data_state: `DataIterator.get_state()`; must be JSON-serialisable.
-          config: the run's config as a JSON-serialisable dict (e.g. `dataclasses.asdict`).
+          config: the run's config: a JSON-serialisable dict, or a config dataclass.
         """
         self._manager.save(
             step,
@@ -226,7 +230,10 @@ class Checkpointer:
         return Restored(restored.state, restored.data, saved_config, step)
 
     def _quarantine(self, step: int) -> None:
-        """Renames an unreadable step directory aside so Orbax no longer lists it."""
+        """Renames an unreadable step directory aside so Orbax no longer lists it.
+
+        Only process 0 renames (the directory is shared); every process reloads its step list.
+        """
         src = self.directory / str(step)
         dst = src.with_name(f"{step}{CORRUPT_SUFFIX}-{int(time.time())}")
         if jax.process_index() == 0 and src.exists():
@@ -236,11 +243,9 @@ class Checkpointer:
 
 
 def _corrupt(step: int, path: Path, what: str, e: Exception) -> CheckpointCorruptError:
-    err = CheckpointCorruptError(
-        f"checkpoint step {step} at {path} is unreadable ({what}): {type(e).__name__}: {e}"
+    return CheckpointCorruptError(
+        f"checkpoint step {step} at {path} is unreadable ({what}): {type(e).__name__}: {e}", step
     )
-    err.step = step
-    return err
 
 
 def _abstract(leaf: Any) -> Any:

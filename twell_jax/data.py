@@ -469,10 +469,15 @@ class TokenWindows:
     """Random-access source of token windows over a split's shards.
 
     Window i is `shard[i' * S : i' * S + S + 1]` of the shard it falls in: [S + 1] int32.
+    `names` (the shard paths) only label errors.
     """
 
     def __init__(
-        self, shards: Sequence[np.ndarray], seq_len: int, vocab_size: int, names: Sequence[str]
+        self,
+        shards: Sequence[np.ndarray],
+        seq_len: int,
+        vocab_size: int,
+        names: Sequence[str] = (),
     ):
         self._shards, self._seq_len, self._vocab_size = shards, seq_len, vocab_size
         self._names = names
@@ -489,8 +494,9 @@ class TokenWindows:
         window = np.asarray(self._shards[shard][start : start + self._seq_len + 1], np.int32)
         # A cheap per-window check: garbled shard bytes surface here, not as NaNs in training.
         if window.max() >= self._vocab_size:
+            name = self._names[shard] if self._names else f"#{shard}"
             raise ValueError(
-                f"corrupt shard {self._names[shard]}: token {window.max()} >= "
+                f"corrupt shard {name}: token {window.max()} >= "
                 f"vocab_size {self._vocab_size} near offset {start}"
             )
         return window
