@@ -204,6 +204,7 @@ def test_ensure_default_data_prepares_stdlib_once(tmp_path, monkeypatch):
     meta = data.ensure_default_data(tmp_path / "d", "byte")
     assert meta["source"].startswith("stdlib:") and meta["splits"]["train"]["num_docs"] > 5
     assert data.ensure_default_data(tmp_path / "d", "byte") == meta  # no second preparation
+    assert data.ensure_default_data(tmp_path / "d") == meta  # None accepts the existing one
     bpe = tokenizer.train_bpe_from_texts(["abc abd"] * 10, 260, tmp_path / "tok.json")
     with pytest.raises(ValueError, match="prepared with tokenizer 'byte'"):
         data.ensure_default_data(tmp_path / "d", bpe.spec)

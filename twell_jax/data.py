@@ -50,8 +50,8 @@ class DataConfig:
 
     Attributes:
       data_dir: directory holding meta.json and the shards.
-      tokenizer: tokenizer spec used if `data_dir` must be prepared ("byte" or a
-        tokenizer.json path); an existing data_dir must have been prepared with it.
+      tokenizer: for `ensure_default_data`: "byte" or a tokenizer.json path that an existing
+        `data_dir` must have been prepared with; None accepts any (and prepares with "byte").
       seq_len: tokens per example S; windows hold S + 1 tokens.
       batch_size: global batch size B over all processes; each process yields
         B // process_count rows.
@@ -61,7 +61,7 @@ class DataConfig:
     """
 
     data_dir: str = "data/stdlib_byte"
-    tokenizer: str = tokenizer_lib.BYTE_SPEC
+    tokenizer: str | None = None
     seq_len: int = 256
     batch_size: int = 16
     seed: int = 0
@@ -363,18 +363,23 @@ def summary(meta: dict[str, Any]) -> str:
 
 
 def ensure_default_data(
-    data_dir: str | os.PathLike, tokenizer_spec: str = tokenizer_lib.BYTE_SPEC
+    data_dir: str | os.PathLike, tokenizer_spec: str | None = None
 ) -> dict[str, Any]:
     """Returns the meta of `data_dir`, first preparing the stdlib corpus there if needed.
 
     This lets the main job run with zero setup. Every process may call it: each prepares
     privately and the result is deterministic.
 
+    Args:
+      data_dir: a prepared corpus directory, or where to prepare the stdlib corpus.
+      tokenizer_spec: "byte" or a tokenizer.json path; None accepts whatever tokenizer an
+        existing `data_dir` was prepared with, and uses "byte" to prepare a new one.
+
     Raises:
-      ValueError: `data_dir` exists but was prepared with a different tokenizer.
+      ValueError: `data_dir` was prepared with a tokenizer other than `tokenizer_spec`.
     """
-    tok = tokenizer_lib.load_tokenizer(tokenizer_spec)
     data_dir = Path(data_dir)
+    tok = tokenizer_lib.load_tokenizer(tokenizer_spec or tokenizer_lib.BYTE_SPEC)
     if not (data_dir / META_FILE).exists():
         logging.info(
             "no %s in %s: preparing the Python stdlib corpus from %s",
@@ -387,7 +392,7 @@ def ensure_default_data(
         except FileExistsError:
             logging.info("another process prepared %s meanwhile", data_dir)
     meta = load_meta(data_dir)
-    if meta["tokenizer"]["fingerprint"] != tok.fingerprint():
+    if tokenizer_spec is not None and meta["tokenizer"]["fingerprint"] != tok.fingerprint():
         raise ValueError(
             f"{data_dir} was prepared with tokenizer {meta['tokenizer']['spec']!r}, not "
             f"{tokenizer_spec!r}; use another data_dir or re-run experiments.prepare_data"
