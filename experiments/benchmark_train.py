@@ -1,0 +1,232 @@
+"""Sparse vs dense gated-MLP training step (value_and_grad, L1 term in both).
+
+`run()` builds synthetic sparse gates (a bias-like column x[:, 0] = 1 with
+Wg[:, 0] = -thr picks ~nnz positives per row), times jax.value_and_grad with respect
+to x and the three weights of the sparse op and of the dense XLA reference in the
+same process (warm-up, median over samples of back-to-back calls,
+`jax.block_until_ready`), adds a per-kernel breakdown, and reports memory: the
+compiled executables' sizes (`memory_analysis`, independent of call order) and the
+growth of the device's `peak_bytes_in_use` across each path's first call (0 when an
+earlier path already reached a higher peak).
+
+    python -m experiments.benchmark_train --nnz 10,29,50,100
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import hybrid_format as hf
+from pallas_kernels import sparse_train as st
+from pallas_kernels.reference import gated_hidden
+from pallas_kernels.sparse_train_op import SparseTrainConfig, sparse_gated_mlp_train
+
+L1_COEF = 2e-5
+
+
+def synthetic_inputs(seed: int, m: int, h: int, n: int, nnz: float, heavy_rows: int = 0):
+    """bf16 (x, w_gate, w_up, w_down, g) with ~nnz positive gate entries per row.
+
+    `heavy_rows` rows drop the bias (about N/2 positives each) to exercise the tail.
+    """
+    k = jax.random.split(jax.random.key(seed), 5)
+    thr = float(jax.scipy.special.ndtri(1.0 - nnz / n))
+    x = jax.random.normal(k[0], (m, h), jnp.bfloat16).at[:, 0].set(1.0)
+    if heavy_rows:
+        x = x.at[:heavy_rows, 0].set(0.0)
+    wg = (jax.random.normal(k[1], (n, h)) / np.sqrt(h - 1)).at[:, 0].set(-thr)
+    wu = 0.02 * jax.random.normal(k[2], (n, h))
+    wd = 0.02 * jax.random.normal(k[3], (n, h))
+    g = jax.random.normal(k[4], (m, h), jnp.bfloat16)
+    bf = lambda a: a.astype(jnp.bfloat16)
+    return x, bf(wg), bf(wu), bf(wd), g
+
+
+def _dense_loss(x, wg, wu, wd, g):
+    hid = gated_hidden(x, wg, wu)
+    out = jnp.einsum("mn,nh->mh", hid, wd, preferred_element_type=jnp.float32).astype(x.dtype)
+    l1 = jnp.mean(jnp.sum(jnp.abs(hid.astype(jnp.float32)), axis=-1))
+    return jnp.sum(out.astype(jnp.float32) * g.astype(jnp.float32)) + L1_COEF * l1
+
+
+def _sparse_loss(x, wg, wu, wd, g, *, config):
+    out, stats = sparse_gated_mlp_train(x, wg, wu, wd, config=config)
+    loss = jnp.sum(out.astype(jnp.float32) * g.astype(jnp.float32)) + L1_COEF * stats.l1
+    return loss, stats
+
+
+def _median_ms(fn, args, samples: int, inner: int = 5, warmup: int = 3) -> float:
+    """Median over `samples` of (time of `inner` back-to-back calls) / inner, in ms."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(samples):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            r = fn(*args)
+        jax.block_until_ready(r)
+        times.append((time.perf_counter() - t0) / inner * 1e3)
+    return statistics.median(times)
+
+
+def _peak_bytes() -> int | None:
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use")
+
+
+def _memory(fn, args) -> dict:
+    """Compiled sizes and the peak growth over the first call of `fn`."""
+    compiled = fn.lower(*args).compile()
+    out = {}
+    try:
+        ma = compiled.memory_analysis()
+        out = {
+            "temp_bytes": int(ma.temp_size_in_bytes),
+            "output_bytes": int(ma.output_size_in_bytes),
+            "argument_bytes": int(ma.argument_size_in_bytes),
+        }
+    except Exception as e:  # backends without memory_analysis
+        out["memory_analysis_error"] = repr(e)
+    before = _peak_bytes()
+    jax.block_until_ready(fn(*args))
+    after = _peak_bytes()
+    if before is not None and after is not None:
+        out["peak_bytes_in_use"] = int(after)
+        out["peak_growth_bytes"] = int(after - before)
+    return out
+
+
+def _breakdown(x, wg, wu, wd, g, config: SparseTrainConfig, samples: int) -> dict:
+    """Milliseconds of each stage of the sparse step, jitted one at a time."""
+    kw = dict(impl=config.impl, chunk=config.chunk, block_h=config.block_h)
+    width = config.ell_width
+    n = wg.shape[0]
+    gate = jax.jit(
+        lambda x, w: jax.nn.relu(
+            jnp.einsum("mh,nh->mn", x, w, preferred_element_type=jnp.float32)
+        ).astype(x.dtype)
+    )
+    compact = jax.jit(
+        functools.partial(
+            st.compact_rows,
+            width=width,
+            impl=config.impl,
+            block_rows=config.compact_block_rows,
+            block_cols=config.compact_block_cols,
+        )
+    )
+    p = gate(x, wg)
+    ell, _ = compact(p)
+    cnt = hf.ell_counts(ell.counts, width)
+    sddmm_up = jax.jit(functools.partial(st.sddmm_up, **kw))
+    r, t, _ = sddmm_up(x, wu, cnt, ell.cols, ell.vals)
+    spmm_down = jax.jit(lambda t, c, cols: st.spmm_rows(((t, wd),), c, cols, **kw))
+    scale = jnp.asarray([L1_COEF / x.shape[0]], jnp.float32)
+    sddmm_grad = jax.jit(functools.partial(st.sddmm_grad, **kw))
+    dr, du = sddmm_grad(g, wd, cnt, ell.cols, ell.vals, r, t, scale)
+    spmm_dx = jax.jit(lambda a, b, c, cols: st.spmm_rows(((a, wu), (b, wg)), c, cols, **kw))
+
+    def index(c, cols, dr, du, t):
+        csc = hf.build_csc(c, cols, n)
+        return csc.offsets, *st.csc_entries(csc, width, dr, du, t)
+
+    index = jax.jit(index)
+    offsets, *entries = index(cnt, ell.cols, dr, du, t)
+    csc = jax.jit(functools.partial(st.spmm_csc, **kw))
+    stages = {
+        "gate_gemm": (gate, (x, wg)),
+        "compact": (compact, (p,)),
+        "sddmm_up": (sddmm_up, (x, wu, cnt, ell.cols, ell.vals)),
+        "spmm_down": (spmm_down, (t, cnt, ell.cols)),
+        "sddmm_grad": (sddmm_grad, (g, wd, cnt, ell.cols, ell.vals, r, t, scale)),
+        "spmm_dx": (spmm_dx, (dr, du, cnt, ell.cols)),
+        "csc_index": (index, (cnt, ell.cols, dr, du, t)),
+        "spmm_csc": (csc, (offsets, *entries, x, g)),
+    }
+    return {k: _median_ms(f, a, samples) for k, (f, a) in stages.items()}
+
+
+def run(
+    M: int = 16384,
+    H: int = 2048,
+    N: int = 5632,
+    nnz_targets=(10, 29, 50, 100),
+    reps: int = 20,
+    heavy_rows: int = 0,
+    config: SparseTrainConfig | None = None,
+    breakdown: bool = True,
+) -> list[dict]:
+    """Times sparse vs dense value_and_grad; one JSON-able dict per nnz target.
+
+    Args:
+        M, H, N: tokens, d_model, d_ff.
+        nnz_targets: target positive gate entries per row.
+        reps: timing samples (each the mean of 5 back-to-back calls); medians reported.
+        heavy_rows: rows forced to ~N/2 positives (exercise the dense tail / fallback).
+        config: SparseTrainConfig (default: the production one, Pallas kernels).
+        breakdown: also time each stage separately.
+    """
+    config = config or SparseTrainConfig()
+    argnums = (0, 1, 2, 3)
+    dense = jax.jit(jax.value_and_grad(_dense_loss, argnums=argnums))
+    sparse = jax.jit(
+        jax.value_and_grad(
+            functools.partial(_sparse_loss, config=config), argnums=argnums, has_aux=True
+        )
+    )
+    records = []
+    for i, nnz in enumerate(nnz_targets):
+        args = synthetic_inputs(i, M, H, N, nnz, heavy_rows)
+        rec = {"M": M, "H": H, "N": N, "nnz_target": nnz, "heavy_rows": heavy_rows}
+        rec["sparse_memory"] = _memory(sparse, args)
+        rec["dense_memory"] = _memory(dense, args)
+        (loss_s, stats), grads_s = sparse(*args)
+        loss_d, grads_d = dense(*args)
+        rec.update(
+            l0=float(stats.l0),
+            l1=float(stats.l1),
+            tail_rows=int(stats.tail_rows),
+            tail_capacity=int(stats.tail_capacity),
+            dense_fallback=int(stats.dense_fallback),
+            alive_fraction=float(jnp.mean(stats.fired)),
+            loss_rel_diff=abs(float(loss_s) - float(loss_d)) / max(abs(float(loss_d)), 1e-30),
+            grad_rel_err={
+                name: float(
+                    jnp.linalg.norm((a.astype(jnp.float32) - b.astype(jnp.float32)).ravel())
+                    / jnp.linalg.norm(b.astype(jnp.float32).ravel())
+                )
+                for name, a, b in zip(("dx", "dWg", "dWu", "dWd"), grads_s, grads_d, strict=True)
+            },
+        )
+        rec["sparse_ms"] = _median_ms(sparse, args, reps)
+        rec["dense_ms"] = _median_ms(dense, args, reps)
+        rec["speedup"] = rec["dense_ms"] / rec["sparse_ms"]
+        if breakdown:
+            rec["breakdown_ms"] = _breakdown(*args, config=config, samples=max(reps // 2, 3))
+        records.append(rec)
+        del args, grads_s, grads_d
+    return records
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--m", type=int, default=16384)
+    parser.add_argument("--nnz", default="10,29,50,100")
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--heavy_rows", type=int, default=0)
+    a = parser.parse_args()
+    nnz = tuple(float(v) for v in a.nnz.split(","))
+    for rec in run(M=a.m, nnz_targets=nnz, reps=a.reps, heavy_rows=a.heavy_rows):
+        print(json.dumps(rec))
+
+
+if __name__ == "__main__":
+    main()
