@@ -103,9 +103,13 @@ class ModelConfig:
                    f"must be a multiple of {TILE} when ffn_impl={self.ffn_impl!r}")
             _check(self.ffn_variant != "gated_silu", name, "ffn_impl", self.ffn_impl,
                    "needs a ReLU FFN (ffn_variant 'gated_relu' or 'relu'), not 'gated_silu'")
+            _check(self.dtype == "bfloat16", name, "dtype", self.dtype,
+                   f"ffn_impl={self.ffn_impl!r} kernels compute in 'bfloat16'")
         if self.ffn_impl == "twell":
             _check(self.d_ff <= MAX_TWELL_D_FF, name, "d_ff", self.d_ff,
                    f"TwELL stores 16-bit columns: at most {MAX_TWELL_D_FF}")
+            _check(self.d_model % 64 == 0, name, "d_model", self.d_model,
+                   "must be a multiple of 64 for the TwELL kernels")
         if self.ffn_impl == "sparse":
             _check(self.ffn_variant == "gated_relu", name, "ffn_impl", self.ffn_impl,
                    "the sparse training kernels implement ffn_variant='gated_relu' only")

@@ -13,7 +13,7 @@ FFN implementations (`ModelConfig.ffn_impl`):
 - "dense": XLA einsums with the hidden activation h materialised, so l1 / l0 / fired
   are exact. The baseline, and the CPU training path.
 - "twell": `pallas_kernels.twell_gated_mlp` / `twell_mlp` (TwELL inference kernels,
-  no gradient); returns no FFN statistics.
+  no sparse gradient); statistics are l0 and TwELL overflow counters only.
 - "sparse": `pallas_kernels.sparse_gated_mlp_train` on layers whose `use_sparse` flag is
   set, the dense path on the others (the l0-cutoff switch, training spec §6.5).
 """
@@ -150,15 +150,30 @@ def _ffn_dense(x: jax.Array, w: dict[str, jax.Array], variant: str) -> tuple[jax
     return out.astype(x.dtype), hidden_stats(h)
 
 
-def _ffn_twell(x: jax.Array, w: dict[str, jax.Array], compression: int) -> jax.Array:
-    """TwELL inference kernels (no gradient). x [M, H] bf16 -> [M, H] bf16."""
+def _ffn_twell(
+    x: jax.Array, w: dict[str, jax.Array], compression: int
+) -> tuple[jax.Array, Stats]:
+    """TwELL inference kernels (no sparse gradient). x [M, H] bf16 -> [M, H] bf16.
+
+    Stats: `l0` fp32 (positive gate entries per token, an upper bound on the non-zeros
+    of h), `max_tile_count` and `overflow_tiles` int32 (TwELL tiles past capacity,
+    recomputed densely by the kernel).
+    """
     import pallas_kernels  # Lazy: the model must import without the kernel package built.
 
     if "w_gate" in w:
-        return pallas_kernels.twell_gated_mlp(
-            x, w["w_gate"], w["w_up"], w["w_down"], compression=compression
+        out, stats = pallas_kernels.twell_gated_mlp(
+            x, w["w_gate"], w["w_up"], w["w_down"], compression=compression, return_stats=True
         )
-    return pallas_kernels.twell_mlp(x, w["w_up"], w["w_down"], compression=compression)
+    else:
+        out, stats = pallas_kernels.twell_mlp(
+            x, w["w_up"], w["w_down"], compression=compression, return_stats=True
+        )
+    return out, {
+        "l0": stats.nnz_per_row,
+        "max_tile_count": stats.max_tile_count,
+        "overflow_tiles": stats.overflow_tiles,
+    }
 
 
 def _ffn_sparse(x: jax.Array, w: dict[str, jax.Array]) -> tuple[jax.Array, Stats]:
@@ -206,13 +221,13 @@ class FeedForward(nnx.Module):
 
         Returns:
           out [M, H] compute dtype, and stats {l1, l0: fp32 scalars, fired: [N] bool}
-          (empty for ffn_impl="twell").
+          (for ffn_impl="twell": {l0, max_tile_count, overflow_tiles}, see `_ffn_twell`).
         """
         cfg = self.cfg
         names = ("w_gate", "w_up", "w_down") if cfg.gated else ("w_up", "w_down")
         w = {k: getattr(self, k)[...].astype(cfg.compute_dtype) for k in names}
         if cfg.ffn_impl == "twell":
-            return _ffn_twell(x, w, cfg.twell_compression), {}
+            return _ffn_twell(x, w, cfg.twell_compression)
         if cfg.ffn_impl == "sparse":
             return jax.lax.cond(
                 use_sparse, _ffn_sparse, lambda x, w: _ffn_dense(x, w, cfg.ffn_variant), x, w
@@ -301,7 +316,7 @@ class Transformer(nnx.Module):
           logits [B, S, V] fp32 and stats stacked over layers: `l1` [L] fp32 (mean over
           tokens of sum_N |h|, differentiable), `l0` [L] fp32 (mean non-zeros per
           token), `fired` [L, N] bool (fired for at least one token of this batch).
-          Empty for ffn_impl="twell".
+          ffn_impl="twell" gives `l0`, `max_tile_count`, `overflow_tiles`, each [L].
         """
         x, stats = self._body(tokens, use_sparse)
         head = self.embed if self.cfg.tie_embeddings else self.lm_head

@@ -294,7 +294,7 @@ def make_train_step(
             "ce": ce.mean(),
             "l1_loss": l1_loss.mean(),
             "l1_coef": sparsity.l1_coef_at(state.step, sp),
-            "grad_norm": optax.global_norm(grads),
+            "grad_norm": optax.tree.norm(grads),
             "lr": schedule(state.step),
             "l1": stats["l1"].mean(axis=0),
             "l0": l0,

@@ -1,0 +1,219 @@
+"""Model shapes, FFN implementations and config validation (twell_jax.model / .config)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import pallas_kernels
+from twell_jax import config as C
+from twell_jax import model as M
+from twell_jax import train
+
+# bf16 compute: twell vs dense logits may differ by a few bf16 ulps of the hidden
+# activations; relative to the logit scale that stays well under this.
+TWELL_LOGITS_RTOL = 3e-2
+
+
+def small_model(**overrides) -> C.ModelConfig:
+    """A model that compiles in about a second on CPU."""
+    base = dict(vocab_size=256, d_model=64, d_ff=256, n_layers=2, n_heads=4, seq_len=16)
+    return C.model_preset("tiny", **{**base, **overrides})
+
+
+def make(cfg: C.ModelConfig, seed: int = 0):
+    """(graphdef, pure-dict params) of a fresh model."""
+    graphdef, state = nnx.split(M.Transformer(cfg, rngs=nnx.Rngs(seed)))
+    return graphdef, nnx.to_pure_dict(state)
+
+
+def tokens(cfg: C.ModelConfig, batch: int = 2, seed: int = 0) -> jax.Array:
+    return jax.random.randint(jax.random.key(seed), (batch, cfg.seq_len), 0, cfg.vocab_size)
+
+
+@pytest.mark.parametrize("variant", C.FFN_VARIANTS)
+def test_forward_shapes_and_stats(variant):
+    cfg = small_model(ffn_variant=variant)
+    graphdef, params = make(cfg)
+    assert ("w_gate" in params["blocks"]["ffn"]) == (variant != "relu")
+    for w in params["blocks"]["ffn"].values():
+        assert w.shape == (cfg.n_layers, cfg.d_ff, cfg.d_model) and w.dtype == jnp.float32
+    logits, stats = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(params, tokens(cfg))
+    assert logits.shape == (2, cfg.seq_len, cfg.vocab_size) and logits.dtype == jnp.float32
+    assert stats["l1"].shape == (cfg.n_layers,) and stats["l1"].dtype == jnp.float32
+    assert stats["l0"].shape == (cfg.n_layers,) and stats["l0"].dtype == jnp.float32
+    assert stats["fired"].shape == (cfg.n_layers, cfg.d_ff) and stats["fired"].dtype == bool
+    l0 = np.asarray(stats["l0"])
+    if variant == "gated_silu":
+        # silu is almost never exactly 0: a dense hidden layer.
+        assert np.all(l0 > 0.99 * cfg.d_ff)
+    else:
+        # A ReLU at random init fires for about half of the neurons.
+        assert np.all((l0 > 0.3 * cfg.d_ff) & (l0 < 0.7 * cfg.d_ff))
+
+
+def test_body_and_causality():
+    cfg = small_model()
+    graphdef, params = make(cfg)
+    t = tokens(cfg)
+    body = jax.jit(lambda p, t: nnx.merge(graphdef, p).body(t))(params, t)
+    assert body.shape == (2, cfg.seq_len, cfg.d_model) and body.dtype == jnp.bfloat16
+    forward = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t)[0])
+    changed = t.at[:, -1].set((t[:, -1] + 1) % cfg.vocab_size)
+    a, b = forward(params, t), forward(params, changed)
+    np.testing.assert_array_equal(a[:, :-1], b[:, :-1])
+    assert not np.allclose(a[:, -1], b[:, -1])
+
+
+def test_untied_head_has_its_own_matrix():
+    cfg = small_model(tie_embeddings=False)
+    _, params = make(cfg)
+    assert params["lm_head"].shape == (cfg.vocab_size, cfg.d_model)
+
+
+def test_attention_uses_xla_on_cpu():
+    assert M.attention_implementation(jnp.bfloat16, 64) == "xla"
+
+
+@pytest.mark.parametrize("variant", ["gated_relu", "relu"])
+def test_twell_matches_dense(variant):
+    dense = small_model(ffn_variant=variant)
+    graphdef_dense, params = make(dense)
+    graphdef_twell = train.model_graphdef(dataclasses.replace(dense, ffn_impl="twell"))
+    t = tokens(dense)
+    want, _ = jax.jit(lambda p: nnx.merge(graphdef_dense, p)(t))(params)
+    got, stats = jax.jit(lambda p: nnx.merge(graphdef_twell, p)(t))(params)
+    rel = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+    assert rel < TWELL_LOGITS_RTOL
+    assert stats["l0"].shape == stats["overflow_tiles"].shape == (dense.n_layers,)
+
+
+def _dense_stand_in(x, w_gate, w_up, w_down):
+    """A differentiable stand-in for the sparse training op, scaled to be recognisable."""
+    out, stats = M._ffn_dense(x, {"w_gate": w_gate, "w_up": w_up, "w_down": w_down}, "gated_relu")
+    return 2 * out, stats
+
+
+def test_sparse_switch_selects_layers(monkeypatch):
+    monkeypatch.setattr(pallas_kernels, "sparse_gated_mlp_train", _dense_stand_in, raising=False)
+    cfg = small_model(ffn_impl="sparse", n_layers=2)
+    graphdef, params = make(cfg)
+    t = tokens(cfg)
+    run = jax.jit(lambda p, s: nnx.merge(graphdef, p).body(t, s))
+    dense = run(params, jnp.array([False, False]))
+    graphdef_dense = train.model_graphdef(dataclasses.replace(cfg, ffn_impl="dense"))
+    want = jax.jit(lambda p: nnx.merge(graphdef_dense, p).body(t))(params)
+    np.testing.assert_array_equal(dense, want)
+    # The stand-in doubles the FFN output, so any sparse layer changes the result.
+    assert not np.allclose(run(params, jnp.array([False, True])), want)
+
+
+def test_sparse_without_op_names_it(monkeypatch):
+    monkeypatch.delattr(pallas_kernels, "sparse_gated_mlp_train", raising=False)
+    x = jnp.zeros((4, 64), jnp.bfloat16)
+    w = {k: jnp.zeros((256, 64), jnp.bfloat16) for k in ("w_gate", "w_up", "w_down")}
+    with pytest.raises(NotImplementedError, match="sparse_gated_mlp_train"):
+        M._ffn_sparse(x, w)
+
+
+def test_remat_wraps_each_layer():
+    """Remat is JAX's job to get right; check that it is applied to the scanned layer."""
+    cfg = small_model()
+    _, params = make(cfg)
+    t = tokens(cfg)
+
+    def jaxpr(remat):
+        graphdef = train.model_graphdef(dataclasses.replace(cfg, remat=remat))
+        return str(jax.make_jaxpr(lambda p: nnx.merge(graphdef, p)(t)[0])(params))
+
+    # "remat2" is jax.checkpoint's primitive.
+    assert "remat2" in jaxpr(True)
+    assert "remat2" not in jaxpr(False)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        (dict(d_model=100, n_heads=3), "d_model"),
+        (dict(d_ff=500, ffn_impl="twell"), "d_ff"),
+        (dict(d_ff=500, ffn_impl="sparse"), "d_ff"),
+        (dict(ffn_variant="gated_silu", ffn_impl="twell"), "ffn_impl"),
+        (dict(ffn_variant="relu", ffn_impl="sparse"), "ffn_impl"),
+        (dict(ffn_impl="twell", dtype="float32"), "dtype"),
+        (dict(ffn_variant="swiglu"), "ffn_variant"),
+        (dict(ffn_impl="cuda"), "ffn_impl"),
+        (dict(twell_compression=16), "twell_compression"),
+        (dict(n_layers=0), "n_layers"),
+        (dict(d_model=96, n_heads=32), "n_heads"),  # head_dim 3: odd, no RoPE pairs
+    ],
+)
+def test_model_config_validation(overrides, field):
+    with pytest.raises(ValueError, match=rf"ModelConfig\.{field}="):
+        C.ModelConfig(**overrides)
+
+
+def test_dense_allows_any_d_ff():
+    assert C.ModelConfig(d_ff=500).d_ff == 500
+
+
+def test_train_config_validation():
+    with pytest.raises(ValueError, match=r"TrainConfig\.batch_size="):
+        C.TrainConfig(batch_size=6, optim=C.OptimConfig(grad_accum_steps=4))
+    with pytest.raises(ValueError, match=r"OptimConfig\.warmup_steps="):
+        C.OptimConfig(warmup_steps=10, total_steps=10)
+    with pytest.raises(ValueError, match=r"SparsityConfig\.l1_target="):
+        C.SparsityConfig(l1_target="gradients")
+    with pytest.raises(ValueError, match=r"TrainConfig\.mesh_shape="):
+        C.TrainConfig(mesh_shape=(-1, -1))
+
+
+@pytest.mark.parametrize(
+    ("name", "params"), [("0.5b", 0.512e9), ("1b", 1.026e9), ("1.5b", 1.539e9), ("2b", 2.053e9)]
+)
+def test_paper_presets_parameter_counts(name, params):
+    """Parameter counts of training spec §4 (derived there from the paper configs)."""
+    cfg = C.model_preset(name)
+    shapes = nnx.state(nnx.eval_shape(lambda: M.Transformer(cfg, rngs=nnx.Rngs(0))))
+    count = sum(np.prod(x.shape) for x in jax.tree.leaves(shapes))
+    assert abs(count - params) / params < 1e-3
+
+
+def test_presets_are_valid():
+    for name in ("tiny", "125m", "0.5b", "1b", "1.5b", "2b"):
+        cfg = C.train_preset(name)
+        assert cfg.model.d_ff % C.TILE == 0
+    with pytest.raises(ValueError, match="preset"):
+        C.model_preset("7b")
+
+
+def test_dict_round_trip_and_diff():
+    cfg = C.train_preset("tiny")
+    d = C.config_to_dict(cfg)
+    assert d["optim"]["betas"] == [0.9, 0.95]
+    assert C.train_config_from_dict(d) == cfg
+    other = C.with_overrides(
+        cfg,
+        {
+            "model.d_ff": "1024",
+            "optim.betas": "0.9,0.99",
+            "sparsity.tokens_until_dead": "4096",
+            "model.remat": "true",
+        },
+    )
+    assert other.model.d_ff == 1024 and other.optim.betas == (0.9, 0.99)
+    assert other.sparsity.tokens_until_dead == 4096 and other.model.remat is True
+    assert C.config_diff(cfg, other) == [
+        "model.d_ff: 512 != 1024",
+        "model.remat: False != True",
+        "optim.betas: [0.9, 0.95] != [0.9, 0.99]",
+        "sparsity.tokens_until_dead: None != 4096",
+    ]
+    with pytest.raises(ValueError, match=r"model\.n_experts"):
+        C.train_config_from_dict({"model": {"n_experts": 8}})
+    with pytest.raises(ValueError, match="n_experts"):
+        C.with_overrides(cfg, {"model.n_experts": 8})
+    with pytest.raises(ValueError, match=r"ModelConfig\.d_ff="):
+        C.with_overrides(cfg, {"model.ffn_impl": "twell", "model.d_ff": 300})

@@ -1,0 +1,195 @@
+"""Train step: sharding rules, gradient accumulation, multi-device equivalence, learning."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from twell_jax import config as C
+from twell_jax import train
+
+# fp32 compute for the equivalence tests: Adam's first step moves every parameter by
+# about +-lr whatever the gradient's size, so bf16 noise would flip the sign of tiny
+# gradients. With fp32, micro-batching and sharding only reassociate sums.
+LOSS_RTOL = 1e-5
+GRAD_NORM_RTOL = 1e-4
+# Relative norm of the difference of the parameter updates ||du|| / ||u||.
+UPDATE_RTOL = 1e-3
+
+
+def small_config(**optim) -> C.TrainConfig:
+    model = C.model_preset("tiny", vocab_size=256, d_model=64, d_ff=256, n_layers=2,
+                           n_heads=4, seq_len=16, dtype="float32")
+    return C.TrainConfig(model=model, batch_size=8,
+                         optim=C.OptimConfig(warmup_steps=0, total_steps=100, **optim))
+
+
+def random_batch(cfg: C.TrainConfig, seed: int = 0) -> dict[str, np.ndarray]:
+    """Tokens from a small alphabet so that the loss can drop quickly."""
+    data = np.random.default_rng(seed).integers(0, 32, (cfg.batch_size, cfg.model.seq_len + 1))
+    return {"inputs": data[:, :-1].astype(np.int32), "targets": data[:, 1:].astype(np.int32)}
+
+
+def one_step(cfg: C.TrainConfig, mesh, batch):
+    """(params before, params after, host metrics) of one optimizer step."""
+    state = train.create_train_state(cfg, mesh)
+    before = jax.device_get(state.params)
+    state, metrics = train.make_train_step(cfg, mesh)(state, batch)
+    return before, jax.device_get(state.params), train.host_metrics(metrics)
+
+
+def update_rel_diff(before, after_a, after_b) -> float:
+    """||u_a - u_b|| / ||u_b|| over all parameters, u = after - before."""
+    diff = sum(float(np.sum((a - b) ** 2))
+               for a, b in zip(jax.tree.leaves(after_a), jax.tree.leaves(after_b), strict=True))
+    norm = sum(float(np.sum((b - p) ** 2))
+               for p, b in zip(jax.tree.leaves(before), jax.tree.leaves(after_b), strict=True))
+    return (diff / norm) ** 0.5
+
+
+def test_param_spec_rule():
+    key = jax.tree_util.DictKey
+    assert train.param_spec((key("embed"),), (512, 128), 4) == P("fsdp", None)
+    assert train.param_spec((key("embed"),), (510, 128), 4) == P(None, "fsdp")
+    assert train.param_spec((key("embed"),), (510, 127), 4) == P()
+    assert train.param_spec((key("embed"),), (512, 128), 1) == P()
+    # Stacked layer axis first: never split, even when it is the largest.
+    stacked = (key("blocks"), key("ffn"), key("w_up"))
+    assert train.param_spec(stacked, (1024, 256, 64), 4) == P(None, "fsdp", None)
+    assert train.param_spec((key("step"),), (), 4) == P()
+
+
+def test_weight_decay_skips_norms():
+    params = {"embed": 0, "final_norm": {"scale": 0},
+              "blocks": {"attn_norm": {"scale": 0}, "ffn": {"w_up": 0}}}
+    assert train._decay_mask(params) == {
+        "embed": True, "final_norm": {"scale": False},
+        "blocks": {"attn_norm": {"scale": False}, "ffn": {"w_up": True}},
+    }
+
+
+def test_lr_schedule():
+    schedule = train.lr_schedule(C.OptimConfig(lr=1e-3, warmup_steps=10, total_steps=110))
+    assert float(schedule(0)) == 0.0
+    assert float(schedule(10)) == pytest.approx(1e-3)
+    assert float(schedule(60)) == pytest.approx(5e-4)
+    assert float(schedule(110)) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_grad_accumulation_matches_full_batch():
+    cfg = small_config()
+    mesh = train.make_mesh()
+    batch = random_batch(cfg)
+    before, full, m_full = one_step(cfg, mesh, batch)
+    _, accum, m_accum = one_step(small_config(grad_accum_steps=2), mesh, batch)
+    assert m_accum["loss"] == pytest.approx(m_full["loss"], rel=LOSS_RTOL)
+    assert m_accum["grad_norm"] == pytest.approx(m_full["grad_norm"], rel=GRAD_NORM_RTOL)
+    np.testing.assert_allclose(m_accum["l0"], m_full["l0"], rtol=1e-6)
+    assert update_rel_diff(before, accum, full) < UPDATE_RTOL
+
+
+_SHARDED = textwrap.dedent("""
+    import json
+    import dataclasses
+    import jax
+    import numpy as np
+    from tests.test_train import small_config, random_batch, one_step, update_rel_diff
+    from twell_jax import train
+
+    assert jax.device_count() == 8
+    cfg = small_config(grad_accum_steps=2)
+    cfg = dataclasses.replace(cfg, batch_size=16)
+    batch = random_batch(cfg)
+    mesh8 = train.make_mesh(2, 4)
+    before1, after1, m1 = one_step(cfg, train.make_mesh(1, 1, jax.devices()[:1]), batch)
+    before8, after8, m8 = one_step(cfg, mesh8, batch)
+    state = train.create_train_state(cfg, mesh8)
+    print(json.dumps({
+        "same_init": all(np.array_equal(a, b) for a, b in
+                         zip(jax.tree.leaves(before1), jax.tree.leaves(before8))),
+        "loss": [m1["loss"], m8["loss"]],
+        "grad_norm": [m1["grad_norm"], m8["grad_norm"]],
+        "update_rel_diff": update_rel_diff(before1, after8, after1),
+        "w_up_spec": str(state.params["blocks"]["ffn"]["w_up"].sharding.spec),
+    }))
+""")
+
+
+def test_sharded_step_matches_single_device():
+    """A (data=2, fsdp=4) step on 8 simulated CPUs equals the 1-device step."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               JAX_PLATFORMS="cpu")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", _SHARDED], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["same_init"]
+    assert out["loss"][1] == pytest.approx(out["loss"][0], rel=LOSS_RTOL)
+    assert out["grad_norm"][1] == pytest.approx(out["grad_norm"][0], rel=GRAD_NORM_RTOL)
+    assert out["update_rel_diff"] < UPDATE_RTOL
+    # [L, N, H] = [2, 256, 64]: N is the largest dimension after the layer axis.
+    assert out["w_up_spec"] == str(P(None, "fsdp", None))
+
+
+def test_loss_decreases_and_metrics():
+    """bf16 compute, L1 warmup and dead-row re-init on: 20 steps must learn something."""
+    base = small_config()
+    cfg = C.with_overrides(base, {
+        "model.dtype": "bfloat16", "optim.lr": 3e-3, "optim.warmup_steps": 2,
+        "sparsity.l1_warmup_steps": 5, "sparsity.reinit_dead_every": 5,
+    })
+    mesh = train.make_mesh()
+    state = train.create_train_state(cfg, mesh)
+    step = train.make_train_step(cfg, mesh)
+    batch = random_batch(cfg)
+    losses = []
+    for _ in range(20):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    m = train.host_metrics(metrics)
+    assert losses[-1] < losses[0] - 0.5, losses
+    assert int(state.step) == 20
+    n_layers = cfg.model.n_layers
+    for key in ("l1", "l0", "sparsity", "alive", "use_sparse"):
+        assert m[key].shape == (n_layers,), key
+    assert np.all((m["alive"] >= 0) & (m["alive"] <= 1))
+    np.testing.assert_allclose(m["sparsity"], 1 - m["l0"] / cfg.model.d_ff, rtol=1e-6)
+    assert m["l1_coef"] == pytest.approx(cfg.sparsity.l1_coef)
+    assert m["l1_loss"] == pytest.approx(m["loss"] - m["ce"], abs=1e-5)
+    assert m["l1_loss"] == pytest.approx(cfg.sparsity.l1_coef * np.mean(m["l1"]), rel=1e-3)
+    eval_ce = train.make_eval_step(cfg, mesh)(state.params, batch)
+    assert float(eval_ce) < losses[0] - 0.5
+
+
+def test_twell_cannot_train():
+    cfg = small_config()
+    cfg = C.with_overrides(cfg, {"model.ffn_impl": "twell", "model.dtype": "bfloat16"})
+    with pytest.raises(ValueError, match="inference-only"):
+        train.make_train_step(cfg, train.make_mesh())
+
+
+def test_make_mesh_sizes():
+    n = jax.device_count()
+    assert train.make_mesh().shape == {"data": n, "fsdp": 1}
+    assert train.make_mesh(1, -1).shape == {"data": 1, "fsdp": n}
+    with pytest.raises(ValueError, match="does not fit"):
+        train.make_mesh(n + 1, 1)
+
+
+def test_abstract_state_matches_created():
+    cfg = small_config()
+    mesh = train.make_mesh()
+    abstract = train.abstract_train_state(cfg, mesh)
+    state = train.create_train_state(cfg, mesh)
+    for a, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(state), strict=True):
+        assert a.shape == s.shape and a.dtype == s.dtype
+    assert state.tokens_since_fired.shape == (2, 256)
+    assert state.use_sparse.dtype == jnp.bool_
