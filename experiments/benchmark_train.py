@@ -59,7 +59,7 @@ def _dense_loss(x, wg, wu, wd, g):
 
 def _sparse_loss(x, wg, wu, wd, g, *, config):
     out, stats = sparse_gated_mlp_train(x, wg, wu, wd, config=config)
-    loss = jnp.sum(out.astype(jnp.float32) * g.astype(jnp.float32)) + L1_COEF * stats.l1
+    loss = jnp.sum(out.astype(jnp.float32) * g.astype(jnp.float32)) + L1_COEF * stats["l1"]
     return loss, stats
 
 
@@ -191,12 +191,13 @@ def run(
         (loss_s, stats), grads_s = sparse(*args)
         loss_d, grads_d = dense(*args)
         rec.update(
-            l0=float(stats.l0),
-            l1=float(stats.l1),
-            tail_rows=int(stats.tail_rows),
-            tail_capacity=int(stats.tail_capacity),
-            dense_fallback=int(stats.dense_fallback),
-            alive_fraction=float(jnp.mean(stats.fired)),
+            l0=float(stats["l0"]),
+            l1=float(stats["l1"]),
+            max_row_count=int(stats["max_row_count"]),
+            tail_rows=int(stats["tail_rows"]),
+            tail_capacity=int(stats["tail_capacity"]),
+            dense_fallback=int(stats["dense_fallback"]),
+            alive_fraction=float(jnp.mean(stats["fired"])),
             loss_rel_diff=abs(float(loss_s) - float(loss_d)) / max(abs(float(loss_d)), 1e-30),
             grad_rel_err={
                 name: float(

@@ -12,9 +12,9 @@ backward  dT = gO Wd^T at the entries + (dL/dl1 / M) sign(T); dR = dT P; dU = dT
           (SpMM over a neuron-sorted index); the tail rows through `jax.vjp` of the
           dense formula on their gather.
 fallback  when the heavy rows exceed the largest tail capacity, the whole call (forward
-          and backward) runs the dense formula; `stats.dense_fallback` says so.
+          and backward) runs the dense formula; `stats["dense_fallback"]` says so.
 
-The L1 term is differentiable through `stats.l1`: a loss `f(out) + lam * stats.l1`
+The L1 term is differentiable through `stats["l1"]`: a loss `f(out) + lam * stats["l1"]`
 gets exactly the gradient of the dense reference with its L1 term. `l1_coef` adds the
 gradient of `l1_coef * l1` on top (for callers that do not put l1 in the loss).
 """
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -74,26 +73,6 @@ class SparseTrainConfig:
                 raise ValueError(f"{name} must be a power of two, got {v}")
         if self.ell_width % self.chunk:
             raise ValueError(f"ell_width {self.ell_width} is not a multiple of chunk {self.chunk}")
-
-
-class SparseTrainStats(NamedTuple):
-    """Per-call statistics (per shard under `shard_map`).
-
-    Attributes:
-        l0: fp32 scalar, mean number of positive gate entries per token (exact).
-        l1: fp32 scalar, mean over tokens of sum over N of |h|; differentiable.
-        tail_rows: int32 scalar, rows with more than W positives (tail or fallback).
-        tail_capacity: int32 scalar, capacity of the tail bucket used (-1: fallback).
-        dense_fallback: int32 scalar, 1 when the tail was full and the call ran densely.
-        fired: bool [N], neurons positive for at least one token.
-    """
-
-    l0: jax.Array
-    l1: jax.Array
-    tail_rows: jax.Array
-    tail_capacity: jax.Array
-    dense_fallback: jax.Array
-    fired: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,14 +181,15 @@ def _forward(static: _Static, x, wg, wu, wd):
 
     out, l1_sum, r, t = lax.cond(fallback, dense, sparse, None)
     cap_used = jnp.asarray((*caps, -1), jnp.int32)[plan.bucket]
-    stats = SparseTrainStats(
-        l0=jnp.sum(ell.counts).astype(_F32) / m,
-        l1=l1_sum / m,
-        tail_rows=plan.n_rows,
-        tail_capacity=cap_used,
-        dense_fallback=fallback.astype(jnp.int32),
-        fired=fired,
-    )
+    stats = {
+        "l0": jnp.sum(ell.counts).astype(_F32) / m,
+        "l1": l1_sum / m,
+        "max_row_count": jnp.max(ell.counts),
+        "tail_rows": plan.n_rows,
+        "tail_capacity": cap_used,
+        "dense_fallback": fallback.astype(jnp.int32),
+        "fired": fired,
+    }
     res = (x, wg, wu, wd, ell_count, ell.cols, ell.vals, r, t, plan.rows, plan.bucket)
     return out, stats, res
 
@@ -232,7 +212,7 @@ def _op_bwd(static, res, cts):
     m, n, caps = x.shape[0], wg.shape[0], cfg.tail_capacities
     g_out = g_out.astype(x.dtype)
     # d loss / d sum|T|: the l1 cotangent (loss = ... + lam * l1) plus the baked-in coef.
-    scale = (g_stats.l1.astype(_F32) + l1_coef) / m
+    scale = (g_stats["l1"].astype(_F32) + l1_coef) / m
     kw = _kernel_kwargs(static)
 
     def sparse(_):
@@ -273,21 +253,30 @@ def sparse_gated_mlp_train(
     l1_coef: float | jax.Array = 0.0,
     config: SparseTrainConfig = SparseTrainConfig(),
     interpret: bool | None = None,
-) -> tuple[jax.Array, SparseTrainStats]:
+) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Activation-sparse gated ReLU MLP with a sparse backward (twell.md §5).
 
     Args:
         x: [..., H] tokens (bf16); leading axes are flattened to M tokens.
         w_gate, w_up, w_down: [N, H] (w_down is down_proj transposed).
-        l1_coef: adds the gradient of `l1_coef * stats.l1` in the backward without
+        l1_coef: adds the gradient of `l1_coef * stats["l1"]` in the backward without
             the caller putting l1 in its loss (traced scalar: warmups are fine). Use
-            either this or `lam * stats.l1` in the loss, not both.
+            either this or `lam * stats["l1"]` in the loss, not both.
         config: static SparseTrainConfig.
         interpret: Pallas interpret mode (None: interpret unless on a GPU).
 
     Returns:
-        (out [..., H] in x.dtype, SparseTrainStats). Gradients flow to x, the three
-        weights and, through `stats.l1`, into the L1 term.
+        (out [..., H] in x.dtype, stats). Gradients flow to x, the three weights and,
+        through `stats["l1"]`, into the L1 term. stats is a dict (per shard under
+        `shard_map`):
+            l0: fp32 scalar, mean number of positive gate entries per token (exact).
+            l1: fp32 scalar, mean over tokens of sum over N of |h|; differentiable.
+            max_row_count: int32 scalar, the most positives of one token.
+            tail_rows: int32 scalar, rows with more than W positives (tail/fallback).
+            tail_capacity: int32 scalar, tail bucket capacity used (-1: fallback).
+            dense_fallback: int32 scalar, 1 when the tail was full and the call ran
+                densely.
+            fired: bool [N], neurons positive for at least one token.
 
     Raises:
         ValueError: shapes the Pallas kernels do not support (see

@@ -190,7 +190,7 @@ def _sparse_loss(x, wg, wu, wd, proj, *, cfg, interpret, l1_in_loss=True):
         x, wg, wu, wd, l1_coef=0.0 if l1_in_loss else LAM, config=cfg, interpret=interpret
     )
     loss = jnp.sum(out.astype(jnp.float32) * proj)
-    return (loss + LAM * stats.l1 if l1_in_loss else loss), (out, stats)
+    return (loss + LAM * stats["l1"] if l1_in_loss else loss), (out, stats)
 
 
 def _grads(loss_fn, x, wg, wu, wd, proj, **kw):
@@ -207,9 +207,9 @@ def _check_against_reference(inputs, cfg, interpret, l1_in_loss=True):
     hid = ref.gated_hidden(x, wg, wu)
     assert out.dtype == x.dtype and out.shape == x.shape
     assert rel_err(out, ref.gated_mlp(x, wg, wu, wd)) < OUT_RTOL
-    assert float(stats.l0) == pytest.approx(float(ref.l0_of_hidden(hid)), abs=1e-4)
-    assert float(stats.l1) == pytest.approx(float(ref.l1_of_hidden(hid)), rel=OUT_RTOL)
-    np.testing.assert_array_equal(stats.fired, np.asarray(hid != 0).any(0))
+    assert float(stats["l0"]) == pytest.approx(float(ref.l0_of_hidden(hid)), abs=1e-4)
+    assert float(stats["l1"]) == pytest.approx(float(ref.l1_of_hidden(hid)), rel=OUT_RTOL)
+    np.testing.assert_array_equal(stats["fired"], np.asarray(hid != 0).any(0))
     for name, g, gr in zip(("dx", "dWg", "dWu", "dWd"), grads, ref_grads, strict=True):
         assert g.dtype == gr.dtype
         assert rel_err(g, gr) < GRAD_RTOL, name
@@ -231,9 +231,9 @@ def test_op_grads_match_dense_reference(impl, case):
     inputs = make_inputs(10, M, H, N, nnz, heavy=heavy, zero=zero)
     cfg = SparseTrainConfig(impl=impl, **SMALL)
     stats = _check_against_reference(inputs, cfg, interpret=True)
-    assert int(stats.tail_rows) == len(heavy)
-    assert int(stats.tail_capacity) == cap
-    assert int(stats.dense_fallback) == fallback
+    assert int(stats["tail_rows"]) == len(heavy)
+    assert int(stats["tail_capacity"]) == cap
+    assert int(stats["dense_fallback"]) == fallback
 
 
 @pytest.mark.gpu
@@ -242,7 +242,7 @@ def test_op_grads_match_dense_reference_gpu(case):
     nnz, heavy, zero, cap, fallback = CASES[case]
     inputs = make_inputs(10, M, H, N, nnz, heavy=heavy, zero=zero)
     stats = _check_against_reference(inputs, SparseTrainConfig(**SMALL), interpret=False)
-    assert int(stats.tail_capacity) == cap and int(stats.dense_fallback) == fallback
+    assert int(stats["tail_capacity"]) == cap and int(stats["dense_fallback"]) == fallback
 
 
 @pytest.mark.gpu
@@ -277,7 +277,7 @@ def test_checkpoint_and_shard_map():
     )
     def sharded(x, wg, wu, wd):
         out, stats = sparse_gated_mlp_train(x, wg, wu, wd, config=cfg, interpret=True)
-        return out, jax.lax.pmean(stats.l1, "data")
+        return out, jax.lax.pmean(stats["l1"], "data")
 
     def loss(x, wg, wu, wd, proj):
         out, l1 = jax.checkpoint(sharded)(x, wg, wu, wd)
@@ -359,7 +359,7 @@ def test_op_value_and_grad_lowers_for_cuda():
     def step(x, wg, wu, wd):
         def loss(*a):
             out, stats = sparse_gated_mlp_train(*a, interpret=False)
-            return jnp.sum(out.astype(jnp.float32)) + 2e-5 * stats.l1
+            return jnp.sum(out.astype(jnp.float32)) + 2e-5 * stats["l1"]
 
         return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(x, wg, wu, wd)
 
