@@ -83,10 +83,10 @@ def ell_counts(counts: jax.Array, width: int) -> jax.Array:
 
 
 def compact_rows_ref(p: jax.Array, width: int) -> tuple[EllRows, jax.Array]:
-    """Packs a dense non-negative gate [M, N] into ELL rows of width W (jnp reference).
+    """Packs the positive entries of a gate [M, N] into ELL rows of width W (jnp reference).
 
     Args:
-        p: [M, N] gate values (relu output); entries > 0 are the pattern.
+        p: [M, N] gate pre-activations (or their relu); entries > 0 are the pattern.
         width: W, the ELL width.
 
     Returns:

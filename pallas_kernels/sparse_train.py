@@ -104,10 +104,11 @@ def compact_rows(
     num_warps: int = 4,
     interpret: bool | None = None,
 ) -> tuple[EllRows, jax.Array]:
-    """Packs a dense gate [M, N] (relu output) into ELL rows of width W.
+    """Packs the positive entries of a dense gate [M, N] into ELL rows of width W.
 
     Args:
-        p: [M, N] bf16 gate values; entries > 0 are the pattern.
+        p: [M, N] bf16 gate pre-activations U (or relu(U)); entries > 0 are the
+            pattern and their values are P = relu(U).
         width: W (a power of two).
         impl: "pallas" or "xla".
         block_rows, block_cols: rows per program and columns per step (powers of two;

@@ -147,11 +147,12 @@ def _forward(static: _Static, x, wg, wu, wd):
     m, width, caps = x.shape[0], cfg.ell_width, cfg.tail_capacities
     kw = _kernel_kwargs(static)
     with jax.named_scope("twell_gate_gemm"):
-        p = jax.nn.relu(jnp.einsum("mh,nh->mn", x, wg, preferred_element_type=_F32))
-        p = p.astype(x.dtype)
+        # U in x.dtype straight from the GEMM (fp32 accumulation inside): compaction
+        # keeps the entries > 0, so no separate relu pass over [M, N].
+        u = jnp.einsum("mh,nh->mn", x, wg, preferred_element_type=x.dtype)
     with jax.named_scope("twell_compact"):
         ell, fired = st.compact_rows(
-            p,
+            u,
             width=width,
             impl=cfg.impl,
             block_rows=cfg.compact_block_rows,
