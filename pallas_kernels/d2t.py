@@ -70,7 +70,9 @@ def _d2t_kernel(x_ref, w_ref, o_ref, *, m, cfg: D2TConfig, slots):
         return tuple(
             acc
             + lax.dot_general(
-                xk, w_ref[pl.ds(c * chunk, chunk), pl.ds(k * bk, bk)], _NT,
+                xk,
+                w_ref[pl.ds(c * chunk, chunk), pl.ds(k * bk, bk)],
+                _NT,
                 preferred_element_type=jnp.float32,
             )
             for c, acc in enumerate(accs)
@@ -84,8 +86,9 @@ def _d2t_kernel(x_ref, w_ref, o_ref, *, m, cfg: D2TConfig, slots):
     count = jnp.zeros((bm,), jnp.int32)
     for c, acc in enumerate(accs):
         positive = acc > 0
-        prefix = jnp.dot(positive.astype(jnp.bfloat16), upper_ones,
-                         preferred_element_type=jnp.float32)
+        prefix = jnp.dot(
+            positive.astype(jnp.bfloat16), upper_ones, preferred_element_type=jnp.float32
+        )
         slot = prefix.astype(jnp.int32) + count[:, None]  # 1-based: word 0 is the count
         columns = (tile * fmt.TILE + c * chunk + idx).astype(jnp.uint32)
         bits = lax.bitcast_convert_type(acc.astype(jnp.bfloat16), jnp.uint16)
@@ -97,8 +100,7 @@ def _d2t_kernel(x_ref, w_ref, o_ref, *, m, cfg: D2TConfig, slots):
         slot = jnp.where(keep, slot, _OUT_OF_TILE)
         tr.store(o_ref.at[local_rows[:, None], slot], words, mask=keep)
         count = count + jnp.sum(positive.astype(jnp.int32), axis=1)
-    tr.store(o_ref.at[:, pl.ds(0, 1)], count.astype(jnp.uint32)[:, None],
-             mask=row_ok[:, None])
+    tr.store(o_ref.at[:, pl.ds(0, 1)], count.astype(jnp.uint32)[:, None], mask=row_ok[:, None])
 
 
 def d2t(

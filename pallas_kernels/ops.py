@@ -88,8 +88,15 @@ def _sparse_forward(x, weights, opts: TwellOptions):
     """Pallas path: out [M, H] and tile counts [M, N / 256] int32."""
     interpret = opts.impl == "interpret" or (opts.impl == "auto" and not tr.on_gpu())
     packed = d2t(x, weights[0], compression=opts.compression, cfg=opts.d2t, interpret=interpret)
-    out = t2d(x, packed, weights, compression=opts.compression,
-              high_precision=opts.high_precision, cfg=opts.t2d, interpret=interpret)
+    out = t2d(
+        x,
+        packed,
+        weights,
+        compression=opts.compression,
+        high_precision=opts.high_precision,
+        cfg=opts.t2d,
+        interpret=interpret,
+    )
     return out, fmt.tile_counts(packed, opts.compression)
 
 

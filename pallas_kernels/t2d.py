@@ -13,8 +13,10 @@ keeps u and h in fp32. A tile whose count overflowed its W - 1 slots is recomput
 from x and the dense weight rows of that tile (gate GEMV, ReLU, up, down), so the
 result stays exact whatever the density; the caller counts those tiles.
 
-The entry loop is scalar (count-bounded `fori_loop`): at about 1.3 entries per
-tile, vectorising over the W slots wastes most of the work (spec §6.2).
+The row's entries are first flattened across tiles (counts -> prefix sums), then
+gathered `group` at a time: vectorising over a tile's W slots instead wastes most of
+the work at about 1.3 entries per tile (spec §6.2), while a scalar entry loop keeps
+too few gathers in flight.
 """
 
 from __future__ import annotations
@@ -35,9 +37,15 @@ MAX_CHUNK = 2048
 
 @dataclasses.dataclass(frozen=True)
 class T2DConfig:
-    """Launch parameters of the T2D kernels (one program per row)."""
+    """Launch parameters of the T2D kernels (one program per row).
 
-    num_warps: int = 1
+    group: entries gathered per loop step (a power of two). Several independent 4 KB
+    row gathers in flight per program hide L2 latency; entries are flattened across
+    tiles first, so a group is never wasted on a tile's empty slots.
+    """
+
+    group: int = 4
+    num_warps: int = 4
     num_stages: int = 1
 
 
@@ -46,7 +54,7 @@ def h_chunk(h: int) -> int:
     return min(h & -h, MAX_CHUNK)
 
 
-def t2d_supported(h: int, n: int, compression: int) -> str | None:
+def t2d_supported(h: int, n: int, compression: int, cfg: T2DConfig) -> str | None:
     """Why (H, N, C) cannot run, or None when it can."""
     try:
         fmt.check_format(n, compression)
@@ -54,10 +62,16 @@ def t2d_supported(h: int, n: int, compression: int) -> str | None:
         return str(e)
     if h % 64:
         return f"d_model H={h} must be a multiple of 64"
+    if cfg.group < 1 or cfg.group & (cfg.group - 1):
+        return f"group={cfg.group} must be a power of two"
     return None
 
 
-def _t2d_kernel(x_ref, packed_ref, *refs, gated, high_precision, slots, chunk):
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _t2d_kernel(x_ref, packed_ref, *refs, gated, high_precision, slots, chunk, group):
     """One token row.
 
     x_ref [1, H] bf16; packed_ref [1, N/C] uint32; weights [N, H] bf16 (gated: w_gate,
@@ -69,55 +83,80 @@ def _t2d_kernel(x_ref, packed_ref, *refs, gated, high_precision, slots, chunk):
         wg_ref = None
         wu_ref, wd_ref, out_ref = refs
     h = x_ref.shape[1]
-    n_chunks = h // chunk
-    cols = [pl.ds(c * chunk, chunk) for c in range(n_chunks)]
+    n_tiles = packed_ref.shape[1] // slots
+    cols = [pl.ds(c * chunk, chunk) for c in range(h // chunk)]
     x = [x_ref[0, col].astype(jnp.float32) for col in cols]
+    # Gathers index with arrays on both axes: the interpreter cannot mix them with slices.
+    col_ids = [c * chunk + jnp.arange(chunk, dtype=jnp.int32)[None, :] for c in range(len(cols))]
 
-    def dot_x(w_ref, j):
-        return sum(jnp.sum(x[c] * w_ref[j, col].astype(jnp.float32)) for c, col in enumerate(cols))
+    def gather(w_ref, j, ok, c):
+        """Rows j [G] of w_ref, columns of chunk c: [G, chunk] fp32 (zeros where not ok)."""
+        rows = tr.load(w_ref.at[j[:, None], col_ids[c]], mask=ok[:, None], other=0.0)
+        return rows.astype(jnp.float32)
 
     def round_bf16(v):
         return v if high_precision else v.astype(jnp.bfloat16).astype(jnp.float32)
 
-    def add_row(acc, hj, j):
-        return tuple(
-            a + hj * wd_ref[j, col].astype(jnp.float32) for a, col in zip(acc, cols, strict=True)
-        )
-
-    def hidden(g, j):
-        """h_j from the gate value g (bf16-exact, fp32) of neuron j."""
+    def hidden(g, j, ok):
+        """h for gate values g [G] fp32 of neurons j [G]; ok masks the gathers."""
         if not gated:
             return g
-        return round_bf16(g * round_bf16(dot_x(wu_ref, j)))
+        u = sum(jnp.sum(x[c][None, :] * gather(wu_ref, j, ok, c), axis=1) for c in range(len(x)))
+        return round_bf16(g * round_bf16(u))
 
-    def packed_entry(e, carry):
-        acc, base = carry
-        word = packed_ref[0, base + e]
+    def add_rows(acc, hj, j, ok):
+        """acc += sum_i hj[i] * Wd[j[i]]."""
+        return tuple(
+            a + jnp.sum(hj[:, None] * gather(wd_ref, j, ok, c), axis=0) for c, a in enumerate(acc)
+        )
+
+    # Per-tile counts -> a flat list of the row's entries (tile-major, column order).
+    tile_ids = jnp.arange(_next_pow2(n_tiles), dtype=jnp.int32)
+    real_tile = tile_ids < n_tiles
+    counts = tr.load(packed_ref.at[0, tile_ids * slots], mask=real_tile, other=0)
+    counts = counts.astype(jnp.int32)
+    overflow = counts >= slots
+    listed = jnp.where(overflow, 0, counts)  # overflowed tiles are recomputed below
+    ends = jnp.cumsum(listed)
+    starts = ends - listed
+    total = jnp.sum(listed)
+
+    def entry_group(step, acc):
+        e = step * group + jnp.arange(group, dtype=jnp.int32)
+        ok = e < total
+        tile = jnp.sum((ends[None, :] <= e[:, None]).astype(jnp.int32), axis=1)
+        start = jnp.sum(jnp.where(tile_ids[None, :] == tile[:, None], starts[None, :], 0), axis=1)
+        word = tr.load(packed_ref.at[0, tile * slots + (e - start) + 1], mask=ok, other=0)
         j = (word & 0xFFFF).astype(jnp.int32)
         g = lax.bitcast_convert_type((word >> 16).astype(jnp.uint16), jnp.bfloat16)
-        return add_row(acc, hidden(g.astype(jnp.float32), j), j), base
+        return add_rows(acc, hidden(g.astype(jnp.float32), j, ok), j, ok)
 
-    def dense_column(j, acc):
-        # Overflowed tile: recompute relu(x . W[j]) for every column of the tile.
-        g = jnp.maximum(dot_x(wg_ref if gated else wu_ref, j), 0.0)
-        g = g.astype(jnp.bfloat16).astype(jnp.float32)
-        return add_row(acc, hidden(g, j), j)
+    def dense_tile(t, acc):
+        # Overflowed tile: recompute relu(x . W[j]) for its 256 columns, `group` at a time.
+        def columns(step, acc):
+            j = t * fmt.TILE + step * group + jnp.arange(group, dtype=jnp.int32)
+            ok = jnp.ones((group,), jnp.bool_)
+            w_ref = wg_ref if gated else wu_ref
+            g = sum(jnp.sum(x[c][None, :] * gather(w_ref, j, ok, c), axis=1) for c in range(len(x)))
+            g = jnp.maximum(g, 0.0).astype(jnp.bfloat16).astype(jnp.float32)
+            return add_rows(acc, hidden(g, j, ok), j, ok)
 
-    def tile_step(t, acc):
-        base = t * slots
-        count = packed_ref[0, base].astype(jnp.int32)
+        count = packed_ref[0, t * slots].astype(jnp.int32)
+        return lax.cond(
+            count >= slots,
+            lambda acc: lax.fori_loop(0, fmt.TILE // group, columns, acc),
+            lambda acc: acc,
+            acc,
+        )
 
-        def sparse(acc):
-            return lax.fori_loop(1, count + 1, packed_entry, (acc, base))[0]
-
-        def dense(acc):
-            first = t * fmt.TILE
-            return lax.fori_loop(first, first + fmt.TILE, dense_column, acc)
-
-        return lax.cond(count < slots, sparse, dense, acc)
-
-    zeros = tuple(jnp.zeros((chunk,), jnp.float32) for _ in cols)
-    acc = lax.fori_loop(0, packed_ref.shape[1] // slots, tile_step, zeros)
+    acc = tuple(jnp.zeros((chunk,), jnp.float32) for _ in cols)
+    acc = lax.fori_loop(0, (total + group - 1) // group, entry_group, acc)
+    acc = lax.cond(
+        jnp.sum(overflow.astype(jnp.int32)) > 0,
+        lambda acc: lax.fori_loop(0, n_tiles, dense_tile, acc),
+        lambda acc: acc,
+        acc,
+    )
     for a, col in zip(acc, cols, strict=True):
         out_ref[0, col] = a.astype(out_ref.dtype)
 
@@ -149,13 +188,16 @@ def t2d(
     """
     m, h = x.shape
     n = weights[-1].shape[0]
-    reason = t2d_supported(h, n, compression)
+    reason = t2d_supported(h, n, compression, cfg)
     if reason:
         raise ValueError(f"t2d: {reason}")
     gated = len(weights) == 3
     kernel = functools.partial(
-        _t2d_kernel, gated=gated, high_precision=high_precision,
-        slots=fmt.slots_per_tile(compression), chunk=h_chunk(h),
+        _t2d_kernel,
+        gated=gated,
+        high_precision=high_precision,
+        slots=fmt.slots_per_tile(compression),
+        chunk=h_chunk(h), group=cfg.group,
     )
     row = lambda i: (i, 0)
     whole = lambda i: (0, 0)
