@@ -136,11 +136,12 @@ def _breakdown(x, wg, wu, wd, g, config: SparseTrainConfig, samples: int) -> dic
 
     def index(c, cols, dr, du, t):
         csc = hf.build_csc(c, cols, n)
-        return csc.offsets, *st.csc_entries(csc, width, dr, du, t)
+        return csc.offsets, csc.order, *st.csc_entries(csc, width, dr, du, t)
 
     index = jax.jit(index)
     offsets, *entries = index(cnt, ell.cols, dr, du, t)
-    csc = jax.jit(functools.partial(st.spmm_csc, **kw))
+    csc_kw = dict(kw, chunk=config.csc_chunk, block_h=config.csc_block_h)
+    csc = jax.jit(functools.partial(st.spmm_csc, **csc_kw))
     stages = {
         "gate_gemm": (gate, (x, wg)),
         "compact": (compact, (p,)),

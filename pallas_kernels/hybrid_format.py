@@ -66,10 +66,13 @@ class Csc(NamedTuple):
         offsets: int32 [N + 1]; neuron n owns sorted positions offsets[n]:offsets[n+1].
         slots: int32 [M * W], flat slot ids (row * W + slot) in sorted order; the
             positions from offsets[N] on are unused slots.
+        order: int32 [N], neurons by descending entry count (ties by id), so that a
+            kernel launching one program per neuron starts the longest ones first.
     """
 
     offsets: jax.Array
     slots: jax.Array
+    order: jax.Array
 
 
 def slot_mask(ell_count: jax.Array, width: int) -> jax.Array:
@@ -126,7 +129,10 @@ def build_csc(ell_count: jax.Array, cols: jax.Array, n: int) -> Csc:
     ids = jnp.arange(m * width, dtype=jnp.int32)
     key_sorted, slots = lax.sort((key, ids), num_keys=1, is_stable=True)
     offsets = jnp.searchsorted(key_sorted, jnp.arange(n + 1, dtype=jnp.int32), side="left")
-    return Csc(offsets.astype(jnp.int32), slots)
+    offsets = offsets.astype(jnp.int32)
+    neurons = jnp.arange(n, dtype=jnp.int32)
+    _, order = lax.sort((offsets[:-1] - offsets[1:], neurons), num_keys=1, is_stable=True)
+    return Csc(offsets, slots, order)
 
 
 def ell_to_dense(ell: EllRows, n: int, width: int | None = None) -> jax.Array:

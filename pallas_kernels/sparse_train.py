@@ -419,11 +419,15 @@ def sddmm_grad(
 
 
 def _spmm_csc_kernel(
-    off_ref, tok_ref, dr_ref, du_ref, t_ref, x_ref, g_ref, dwu_ref, dwg_ref, dwd_ref,
+    order_ref, off_ref, tok_ref, dr_ref, du_ref, t_ref, x_ref, g_ref, dwu_ref, dwg_ref, dwd_ref,
     *, chunk, block_h,
 ):  # fmt: skip
-    """Program (neuron, H block): loops over the neuron's entries in token order."""
-    nid, hb = pl.program_id(0), pl.program_id(1)
+    """Program (neuron, H block): loops over the neuron's entries in token order.
+
+    Programs take neurons heaviest first (`order`), so the few long loops of very
+    active neurons overlap with the many short ones instead of trailing at the end.
+    """
+    nid, hb = order_ref[pl.program_id(0)], pl.program_id(1)
     start, end = off_ref[nid], off_ref[nid + 1]
     d = hb * block_h + _grid_iota(block_h)
     d_c = jnp.broadcast_to(d[None, :], (chunk, block_h))
@@ -452,7 +456,7 @@ def _spmm_csc_kernel(
     _triton.store(dwd_ref.at[nid, d], acc_d.astype(dwd_ref.dtype))
 
 
-def _spmm_csc_xla(offsets, tok, dr_s, du_s, t_s, x, g_out):
+def _spmm_csc_xla(offsets, tok, dr_s, du_s, t_s, x, g_out):  # `order` only schedules
     n = offsets.shape[0] - 1
     seg = jnp.searchsorted(offsets[1:], jnp.arange(tok.shape[0]), side="right")
     xv, gv = x[tok].astype(_F32), g_out[tok].astype(_F32)
@@ -467,6 +471,7 @@ def _spmm_csc_xla(offsets, tok, dr_s, du_s, t_s, x, g_out):
 
 def spmm_csc(
     offsets: jax.Array,
+    order: jax.Array,
     tok: jax.Array,
     dr_s: jax.Array,
     du_s: jax.Array,
@@ -475,15 +480,16 @@ def spmm_csc(
     g_out: jax.Array,
     *,
     impl: str = "pallas",
-    chunk: int = 16,
-    block_h: int = 512,
+    chunk: int = 32,
+    block_h: int = 256,
     num_warps: int = 4,
     interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Weight gradients of the ELL part from the neuron-sorted entries.
 
     Args:
-        offsets: int32 [N + 1] CSC offsets. tok: int32 [E] token of each sorted entry.
+        offsets: int32 [N + 1] CSC offsets. order: int32 [N] neuron of each program
+            (a permutation; heaviest first). tok: int32 [E] token of each sorted entry.
         dr_s, du_s, t_s: [E] dR, dU, T of each sorted entry.
         x, g_out: [M, H] tokens and upstream gradient.
 
@@ -503,7 +509,7 @@ def spmm_csc(
         compiler_params=_triton.compiler_params(num_warps=num_warps, num_stages=2),
         interpret=_triton.resolve_interpret(interpret),
         name="twell_spmm_csc",
-    )(offsets, tok, dr_s, du_s, t_s, x, g_out)
+    )(order, offsets, tok, dr_s, du_s, t_s, x, g_out)
 
 
 def csc_entries(

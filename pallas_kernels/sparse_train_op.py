@@ -47,8 +47,11 @@ class SparseTrainConfig:
         impl: "pallas" (Triton kernels) or "xla" (same algorithm in plain jnp, for CPU
             and tests: it materialises [M, W, H] gathers).
         compact_block_rows, compact_block_cols: compaction tile (powers of two).
-        chunk: ELL slots / CSC entries gathered per step (power of two).
-        block_h: H columns per program or step (power of two dividing H).
+        chunk: ELL slots gathered per step of the row kernels (power of two).
+        block_h: H columns per program or step of the row kernels (power of two
+            dividing H).
+        csc_chunk, csc_block_h: the same for the transposed (per-neuron) SpMM; smaller
+            H blocks spread very active neurons over more programs.
         num_warps: Triton warps of the gather kernels.
     """
 
@@ -59,6 +62,8 @@ class SparseTrainConfig:
     compact_block_cols: int = 128
     chunk: int = 16
     block_h: int = 512
+    csc_chunk: int = 32
+    csc_block_h: int = 256
     num_warps: int = 4
 
     def __post_init__(self):
@@ -67,7 +72,8 @@ class SparseTrainConfig:
             raise ValueError(f"tail_capacities must be ascending and >= 0, got {caps}")
         if self.impl not in ("pallas", "xla"):
             raise ValueError(f"impl must be 'pallas' or 'xla', got {self.impl!r}")
-        for name in ("ell_width", "compact_block_rows", "compact_block_cols", "chunk", "block_h"):
+        pow2 = ("ell_width", "compact_block_rows", "compact_block_cols", "chunk", "block_h")
+        for name in (*pow2, "csc_chunk", "csc_block_h"):
             v = getattr(self, name)
             if v <= 0 or v & (v - 1):
                 raise ValueError(f"{name} must be a power of two, got {v}")
@@ -86,8 +92,9 @@ def sparse_train_supported(m: int, h: int, n: int, config: SparseTrainConfig) ->
     del m
     if config.impl == "xla":
         return None
-    if h % config.block_h:
-        return f"H={h} is not a multiple of block_h={config.block_h}"
+    for name in ("block_h", "csc_block_h"):
+        if h % getattr(config, name):
+            return f"H={h} is not a multiple of {name}={getattr(config, name)}"
     if n % config.compact_block_cols:
         return f"N={n} is not a multiple of compact_block_cols={config.compact_block_cols}"
     return None
@@ -225,7 +232,8 @@ def _op_bwd(static, res, cts):
             csc = hf.build_csc(ell_count, cols, n)
             entries = st.csc_entries(csc, cfg.ell_width, dr, du, t)
         with jax.named_scope("twell_spmm_csc"):
-            dwu, dwg, dwd = st.spmm_csc(csc.offsets, *entries, x, g_out, **kw)
+            kw_csc = dict(kw, chunk=cfg.csc_chunk, block_h=cfg.csc_block_h)
+            dwu, dwg, dwd = st.spmm_csc(csc.offsets, csc.order, *entries, x, g_out, **kw_csc)
         with jax.named_scope("twell_tail_bwd"):
             branches = [functools.partial(_tail_bwd, cap) for cap in caps]
             dx_t, (dwg, dwu, dwd) = lax.switch(

@@ -69,3 +69,5 @@ def test_build_csc_sorted_by_neuron_then_token():
         seg = slots[offsets[j] : offsets[j + 1]]
         np.testing.assert_array_equal(seg // w, np.nonzero(p_np[:, j])[0])  # token order
         np.testing.assert_array_equal(np.asarray(ell.cols).reshape(-1)[seg], j)
+    sizes = offsets[1:] - offsets[:-1]
+    np.testing.assert_array_equal(csc.order, np.argsort(-sizes, kind="stable"))

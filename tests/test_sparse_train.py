@@ -32,6 +32,8 @@ SMALL = dict(
     tail_capacities=(0, 2, 4),
     chunk=8,
     block_h=64,
+    csc_chunk=8,
+    csc_block_h=128,
     compact_block_rows=16,
     compact_block_cols=128,
 )
@@ -165,7 +167,7 @@ def test_spmm_csc_matches_dense(interpret):
     csc = hf.build_csc(ell_count, ell.cols, N)
     entries = st.csc_entries(csc, 16, dr, du, t)
     kw = dict(impl="pallas", chunk=8, block_h=128, interpret=interpret)
-    dwu, dwg, dwd = st.spmm_csc(csc.offsets, *entries, x, g, **kw)
+    dwu, dwg, dwd = st.spmm_csc(csc.offsets, csc.order, *entries, x, g, **kw)
     sc = functools.partial(_scatter, cols=ell.cols, ell_count=ell_count, n=N)
     xf, gf = x.astype(jnp.float32), g.astype(jnp.float32)
     assert rel_err(dwu, sc(dr).T @ xf) < OUT_RTOL
@@ -344,8 +346,8 @@ LOWERINGS = {
          _z((1,), jnp.float32)],
     ),
     "spmm_csc": (
-        lambda o, tok, v, x: st.spmm_csc(o, tok, v, v, v, x, x, interpret=False),
-        [_z((PN + 1,), _I), _z((PM * PW,), _I), _z((PM * PW,)), _z((PM, PH))],
+        lambda o, order, tok, v, x: st.spmm_csc(o, order, tok, v, v, v, x, x, interpret=False),
+        [_z((PN + 1,), _I), _z((PN,), _I), _z((PM * PW,), _I), _z((PM * PW,)), _z((PM, PH))],
     ),
 }  # fmt: skip
 
