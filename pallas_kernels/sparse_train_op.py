@@ -87,16 +87,37 @@ class _Static:
     interpret: bool
 
 
+_MIN_BLOCK = 16
+
+
+def _fit_block(block: int, dim: int) -> int:
+    """The largest power of two <= block that divides dim."""
+    while block > 1 and dim % block:
+        block //= 2
+    return block
+
+
+def resolve_config(m: int, h: int, n: int, config: SparseTrainConfig) -> SparseTrainConfig:
+    """Fits the config to the shapes: blocks shrink to powers of two dividing H and N
+    (production shapes keep the defaults) and tail capacities are capped at M."""
+    caps = tuple(sorted({min(c, m) for c in config.tail_capacities}))
+    return dataclasses.replace(
+        config,
+        tail_capacities=caps,
+        block_h=_fit_block(config.block_h, h),
+        csc_block_h=_fit_block(config.csc_block_h, h),
+        compact_block_cols=_fit_block(config.compact_block_cols, n),
+    )
+
+
 def sparse_train_supported(m: int, h: int, n: int, config: SparseTrainConfig) -> str | None:
     """Why the Pallas path cannot run these shapes, or None when it can."""
-    del m
     if config.impl == "xla":
         return None
-    for name in ("block_h", "csc_block_h"):
-        if h % getattr(config, name):
-            return f"H={h} is not a multiple of {name}={getattr(config, name)}"
-    if n % config.compact_block_cols:
-        return f"N={n} is not a multiple of compact_block_cols={config.compact_block_cols}"
+    cfg = resolve_config(m, h, n, config)
+    for name, dim in (("block_h", h), ("csc_block_h", h), ("compact_block_cols", n)):
+        if getattr(cfg, name) < _MIN_BLOCK:
+            return f"no power-of-two {name} >= {_MIN_BLOCK} divides {dim}"
     return None
 
 
@@ -289,7 +310,8 @@ def sparse_gated_mlp_train(
 
     Raises:
         ValueError: shapes the Pallas kernels do not support (see
-            `sparse_train_supported`) or inconsistent weight shapes.
+            `sparse_train_supported`; block sizes are otherwise fitted to H and N by
+            `resolve_config`) or inconsistent weight shapes.
     """
     lead, h = x.shape[:-1], x.shape[-1]
     n = w_gate.shape[0]
@@ -300,6 +322,7 @@ def sparse_gated_mlp_train(
     reason = sparse_train_supported(x2.shape[0], h, n, config)
     if reason:
         raise ValueError(f"sparse_gated_mlp_train: {reason}")
+    config = resolve_config(x2.shape[0], h, n, config)
     static = _Static(config, _triton.resolve_interpret(interpret))
     out, stats = _op(static, jnp.asarray(l1_coef, _F32), x2, w_gate, w_up, w_down)
     return out.reshape(*lead, h), stats

@@ -306,9 +306,22 @@ def test_deterministic(interpret):
 
 
 def test_unsupported_shape_raises():
-    x, wg, wu, wd, _ = make_inputs(0, 8, 96, N, 6)
+    x, wg, wu, wd, _ = make_inputs(0, 8, 100, N, 6)
     with pytest.raises(ValueError, match="block_h"):
-        sparse_gated_mlp_train(x, wg, wu, wd, config=SparseTrainConfig(block_h=64))
+        sparse_gated_mlp_train(x, wg, wu, wd)
+
+
+def test_default_config_fits_small_shapes():
+    """Default (production) config on a tiny model: blocks and capacities shrink."""
+    inputs = make_inputs(15, 20, 96, 128, 6, heavy=(2,))
+    (_, (out, stats)), grads = _grads(
+        _sparse_loss, *inputs, cfg=SparseTrainConfig(ell_width=16), interpret=True
+    )
+    ref_grads = jax.grad(_ref_loss, argnums=(0, 1, 2, 3))(*inputs)
+    assert rel_err(out, ref.gated_mlp(*inputs[:4])) < OUT_RTOL
+    assert int(stats["tail_capacity"]) == 20  # capacities capped at M = 20
+    for g, gr in zip(grads, ref_grads, strict=True):
+        assert rel_err(g, gr) < GRAD_RTOL
 
 
 # ---------------------------------------------------------------------------------------
