@@ -1,0 +1,160 @@
+r"""Pre-trains a TwELL transformer LM: `python -m experiments.pretrain --flagfile=...`.
+
+A run is a preset (`twell_jax.config.train_preset`) plus the flags below, which
+override single fields; `--set=section.field=value` reaches any other field. The
+resolved config is logged first. Training resumes from `<workdir>/checkpoints` when
+it holds a checkpoint (the saved config must match, except step counts, cadences and
+the mesh); Ctrl-C saves a checkpoint and exits. Examples:
+
+  python -m experiments.pretrain --flagfile=experiments/configs/tiny.flags
+  python -m experiments.pretrain --preset=tiny --steps=50 --workdir=/tmp/run \
+      --set=model.d_model=64 --set=model.n_layers=2
+  # multi-host (one process per host, e.g. under SLURM):
+  python -m experiments.pretrain --flagfile=experiments/configs/1b.flags --distributed
+
+Outputs in --workdir: checkpoints/, metrics.jsonl, metrics.png, config.json.
+"""
+
+from __future__ import annotations
+
+import json
+import logging as py_logging
+from typing import Any
+
+import jax
+from absl import app, flags, logging
+
+from experiments import train_loop
+from twell_jax import config as config_lib
+from twell_jax import data
+
+_DEFAULT_DATA_DIR = data.DataConfig.data_dir
+
+_PRESET = flags.DEFINE_enum(
+    "preset", "tiny", ["tiny", "125m", "0.5b", "1b", "1.5b", "2b"], "Model / schedule preset."
+)
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None, "Run directory (checkpoints, metrics); default runs/<preset>."
+)
+_DATA_DIR = flags.DEFINE_string(
+    "data_dir", _DEFAULT_DATA_DIR,
+    "Prepared corpus (experiments.prepare_data). The default is prepared from the Python "
+    "stdlib on first use.",
+)
+_RESUME = flags.DEFINE_bool("resume", True, "Continue from the newest checkpoint in --workdir.")
+_STOP_AT = flags.DEFINE_integer(
+    "stop_at", 0, "If > 0, save and exit after this step; the schedule still runs to --steps."
+)
+_MAX_TO_KEEP = flags.DEFINE_integer("max_to_keep", 3, "Checkpoints kept (0: all).")
+_DISTRIBUTED = flags.DEFINE_bool(
+    "distributed", False, "Call jax.distributed.initialize() first (multi-host runs)."
+)
+_SET = flags.DEFINE_multi_string(
+    "set", [], "Dotted config override, e.g. model.d_ff=1024; applied after the flags below."
+)
+
+# Flag -> dotted TrainConfig field. None (the default) keeps the preset's value.
+_FIELDS = {
+    "steps": ("optim.total_steps", flags.DEFINE_integer, "Optimizer steps of the run."),
+    "warmup_steps": ("optim.warmup_steps", flags.DEFINE_integer, "LR warmup steps."),
+    "lr": ("optim.lr", flags.DEFINE_float, "Peak learning rate."),
+    "weight_decay": ("optim.weight_decay", flags.DEFINE_float, "AdamW weight decay."),
+    "clip_norm": ("optim.clip_norm", flags.DEFINE_float, "Global gradient-norm clip."),
+    "grad_accum_steps": (
+        "optim.grad_accum_steps", flags.DEFINE_integer,
+        "Micro-batches per step (the micro-batch is batch_size / grad_accum_steps).",
+    ),
+    "batch_size": ("batch_size", flags.DEFINE_integer, "Global batch in sequences per step."),
+    "seq_len": ("model.seq_len", flags.DEFINE_integer, "Tokens per sequence."),
+    "l1_coef": ("sparsity.l1_coef", flags.DEFINE_float, "L1 activation penalty lambda."),
+    "l1_warmup_steps": (
+        "sparsity.l1_warmup_steps", flags.DEFINE_integer, "Steps of the linear lambda ramp."
+    ),
+    "reinit_dead_every": (
+        "sparsity.reinit_dead_every", flags.DEFINE_integer, "Dead-neuron re-init period."
+    ),
+    "ffn_impl": ("model.ffn_impl", flags.DEFINE_string, "dense | twell | sparse."),
+    "ffn_variant": ("model.ffn_variant", flags.DEFINE_string, "gated_relu | relu | gated_silu."),
+    "remat": ("model.remat", flags.DEFINE_bool, "Rematerialise layers in the backward pass."),
+    "dtype": ("model.dtype", flags.DEFINE_string, "Compute dtype."),
+    "seed": ("seed", flags.DEFINE_integer, "Init and data-order seed."),
+    "log_every": ("log_every", flags.DEFINE_integer, "Steps between progress lines."),
+    "eval_every": ("eval_every", flags.DEFINE_integer, "Steps between validations."),
+    "eval_batches": ("eval_batches", flags.DEFINE_integer, "Validation batches."),
+    "checkpoint_every": ("checkpoint_every", flags.DEFINE_integer, "Steps between saves."),
+}
+_FIELD_FLAGS = {name: define(name, None, help_) for name, (_, define, help_) in _FIELDS.items()}
+_MESH_DATA = flags.DEFINE_integer("mesh_data", None, "Data-parallel mesh size (-1: the rest).")
+_MESH_FSDP = flags.DEFINE_integer("mesh_fsdp", None, "FSDP mesh size (-1: the rest).")
+
+
+def resolve_config() -> config_lib.TrainConfig:
+    """The preset with the set flags and then `--set` overrides applied.
+
+    Raises:
+      app.UsageError: an override names an unknown field or an invalid value.
+    """
+    cfg = config_lib.train_preset(_PRESET.value)
+    overrides: dict[str, Any] = {
+        _FIELDS[name][0]: flag.value for name, flag in _FIELD_FLAGS.items()
+        if flag.value is not None
+    }
+    if _MESH_DATA.value is not None or _MESH_FSDP.value is not None:
+        data_size, fsdp_size = cfg.mesh_shape
+        overrides["mesh_shape"] = (
+            data_size if _MESH_DATA.value is None else _MESH_DATA.value,
+            fsdp_size if _MESH_FSDP.value is None else _MESH_FSDP.value,
+        )
+    for item in _SET.value:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise app.UsageError(f"--set={item!r}: expected section.field=value")
+        overrides[key.strip()] = value.strip()
+    try:
+        return config_lib.with_overrides(cfg, overrides)
+    except ValueError as e:
+        raise app.UsageError(f"invalid config override: {e}") from e
+
+
+def _quiet_orbax() -> None:
+    """Drops Orbax's INFO records (dozens per save), keeping its warnings and errors.
+
+    Orbax logs through absl like this script, so a level on its own logger is not enough.
+    """
+
+    def keep(record: py_logging.LogRecord) -> bool:
+        return record.levelno >= py_logging.WARNING or "/orbax/" not in record.pathname
+
+    logging.get_absl_handler().addFilter(keep)
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    _quiet_orbax()
+    if _DISTRIBUTED.value:
+        jax.distributed.initialize()  # before any other JAX call
+    cfg = resolve_config()
+    workdir = _WORKDIR.value or f"runs/{_PRESET.value}"
+    logging.info("resolved config (preset %s):\n%s", _PRESET.value,
+                 json.dumps(config_lib.config_to_dict(cfg), indent=2))
+    logging.info("workdir %s, data_dir %s, resume %s", workdir, _DATA_DIR.value, _RESUME.value)
+
+    if _DATA_DIR.value == _DEFAULT_DATA_DIR:
+        data.ensure_default_data(_DATA_DIR.value)  # zero-setup default corpus
+    sp = cfg.sparsity
+    opts = train_loop.RunOptions(
+        workdir=workdir,
+        data_dir=_DATA_DIR.value,
+        max_to_keep=_MAX_TO_KEEP.value or None,
+        resume=_RESUME.value,
+        stop_at=_STOP_AT.value,
+        plot_title=(f"{_PRESET.value}: {cfg.model.ffn_variant}/{cfg.model.ffn_impl}, "
+                    f"L1 {sp.l1_coef:g} (warmup {sp.l1_warmup_steps})"),
+    )
+    summary = train_loop.run(cfg, opts)
+    logging.info("summary: %s", json.dumps(summary))
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,292 @@
+"""The pre-training loop behind `experiments/pretrain.py`: resume, train, eval, checkpoint.
+
+`run(cfg, opts)` does everything after the config is resolved:
+
+1. reads the prepared corpus (`twell_jax.data`), builds the mesh, the train state and
+   the data iterator;
+2. restores the newest checkpoint of `<workdir>/checkpoints` if there is one (train
+   state, data-iterator position; a different saved config is a `ValueError`);
+3. trains to `cfg.optim.total_steps` (or `opts.stop_at`), logging a progress line and
+   a `metrics.jsonl` record every `log_every` steps, evaluating the val CE every
+   `eval_every` steps (and re-plotting `metrics.png`), and saving asynchronous
+   checkpoints every `checkpoint_every` steps and at the end;
+4. on SIGINT / SIGTERM finishes the current step, saves a checkpoint and returns, so
+   that re-running the same command resumes. A second Ctrl-C aborts without saving.
+
+Every process runs the same loop (multi-host: each reads its share of the batch and
+`jax.make_array_from_process_local_data` assembles the global batch); only process 0
+writes metrics and plots, all processes take part in checkpointing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from absl import logging
+from jax.experimental import multihost_utils
+
+from twell_jax import checkpoint, data, metrics, train
+from twell_jax.config import TrainConfig, config_to_dict
+
+CHECKPOINT_DIR = "checkpoints"
+CONFIG_FILE = "config.json"
+# Config keys that may change between a checkpoint and its resumption, on top of the
+# checkpointer's defaults (step counts, cadences): restore reshards onto any mesh, and
+# remat does not change the numbers.
+RESUME_IGNORE_KEYS = (*checkpoint.DEFAULT_IGNORE_KEYS, "mesh_shape", "remat")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+    """Where a run reads and writes; not part of the checkpointed config.
+
+    Attributes:
+      workdir: run directory: checkpoints/, metrics.jsonl, metrics.png, config.json.
+      data_dir: a corpus prepared by `twell_jax.data` (meta.json + shards).
+      max_to_keep: newest checkpoints kept; None keeps all.
+      resume: continue from the newest checkpoint in `workdir` if there is one.
+      stop_at: if > 0, save and return after this step even though the schedule runs to
+        `total_steps` (time-sliced jobs; the resume tests).
+      plot_title: title of metrics.png.
+    """
+
+    workdir: str
+    data_dir: str
+    max_to_keep: int | None = 3
+    resume: bool = True
+    stop_at: int = 0
+    plot_title: str = ""
+
+
+class _StopRequest:
+    """Turns the first SIGINT / SIGTERM into a flag the loop polls between steps.
+
+    Stopping between steps keeps the (donated) train state valid for the final save;
+    the second signal restores the default handlers, so another Ctrl-C aborts at once.
+    """
+
+    _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.requested = False
+        self._previous = {}
+
+    def __enter__(self) -> _StopRequest:
+        try:
+            self._previous = {s: signal.signal(s, self._handle) for s in self._SIGNALS}
+        except ValueError:  # not the main thread: no signal handling, stop only when done
+            self._previous = {}
+        return self
+
+    def _handle(self, signum, frame):
+        del frame
+        logging.warning("%s: stopping after this step and saving a checkpoint "
+                        "(again to abort without saving)", signal.Signals(signum).name)
+        self.requested = True
+        self._restore()
+
+    def _restore(self):
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous = {}
+
+    def __exit__(self, *exc) -> None:
+        self._restore()
+
+    def agreed(self) -> bool:
+        """Whether any process was asked to stop (a collective when multi-host)."""
+        if jax.process_count() == 1:
+            return self.requested
+        return bool(np.any(multihost_utils.process_allgather(np.asarray(self.requested))))
+
+
+def _global_batch(local: dict[str, np.ndarray], sharding, global_rows: int) -> dict:
+    """This process's [B_p, S] numpy rows -> global [B, S] jax.Arrays on `sharding`."""
+    return {
+        k: jax.make_array_from_process_local_data(sharding, v, (global_rows, *v.shape[1:]))
+        for k, v in local.items()
+    }
+
+
+def _check_vocab(cfg: TrainConfig, meta: dict[str, Any], data_dir: str) -> None:
+    tok = meta["tokenizer"]
+    if tok["vocab_size"] > cfg.model.vocab_size:
+        raise ValueError(
+            f"{data_dir} uses a tokenizer of {tok['vocab_size']} ids ({tok['spec']}) but "
+            f"model.vocab_size={cfg.model.vocab_size}: raise the vocab size or use another corpus"
+        )
+
+
+class _Evaluator:
+    """Mean validation CE over the first `eval_batches` val batches (the same ones each time)."""
+
+    def __init__(self, cfg: TrainConfig, data_cfg: data.DataConfig, mesh, sharding):
+        self._cfg, self._data_cfg, self._sharding = cfg, data_cfg, sharding
+        self._step = train.make_eval_step(cfg, mesh)
+        try:
+            next(data.make_val_iterator(data_cfg, 1))
+            self.enabled = True
+        except ValueError as e:  # e.g. a small corpus without one full val batch
+            logging.warning("validation disabled: %s", e)
+            self.enabled = False
+
+    def __call__(self, params) -> float:
+        ces = [
+            self._step(params, _global_batch(b, self._sharding, self._cfg.batch_size))
+            for b in data.make_val_iterator(self._data_cfg, self._cfg.eval_batches)
+        ]
+        return float(np.mean(jax.device_get(ces)))
+
+
+def _restore_or_init(cfg, mesh, ckpt, train_iter, opts) -> train.TrainState:
+    """The newest checkpoint's state (and data position) if resuming, else a fresh state."""
+    latest = ckpt.latest_step()
+    if latest is not None and not opts.resume:
+        raise ValueError(
+            f"{ckpt.directory} holds checkpoints (latest step {latest}) but resume is off: "
+            "use a fresh workdir or resume"
+        )
+    if latest is None:
+        logging.info("no checkpoint in %s: starting from scratch", ckpt.directory)
+        return train.create_train_state(cfg, mesh)
+    restored = ckpt.restore(
+        train.abstract_train_state(cfg, mesh),
+        config=config_to_dict(cfg),
+        ignore_keys=RESUME_IGNORE_KEYS,
+    )
+    train_iter.set_state(restored.data_state)
+    logging.info("resumed from checkpoint step %d in %s", restored.step, ckpt.directory)
+    return restored.state
+
+
+def run(cfg: TrainConfig, opts: RunOptions) -> dict[str, Any]:
+    """Trains (or resumes training) to `cfg.optim.total_steps`, or until SIGINT / SIGTERM.
+
+    Args:
+      cfg: the resolved run config.
+      opts: run directory, data directory, checkpoint retention, resume switch.
+
+    Returns:
+      Summary dict: `step` reached, `interrupted`, and the last train record's `ce`,
+      `l0_mean`, `sparsity_mean` and the last `val_ce` when they exist.
+
+    Raises:
+      ValueError: the corpus's vocabulary does not fit the model, the saved config
+        differs from `cfg`, or checkpoints exist while `opts.resume` is off.
+      FileNotFoundError: `opts.data_dir` is not a prepared corpus.
+    """
+    workdir = Path(opts.workdir)
+    lead = jax.process_index() == 0
+    meta = data.load_meta(opts.data_dir)
+    _check_vocab(cfg, meta, opts.data_dir)
+    logging.info("data %s: %s", opts.data_dir, data.summary(meta))
+    if lead:
+        workdir.mkdir(parents=True, exist_ok=True)
+        (workdir / CONFIG_FILE).write_text(json.dumps(config_to_dict(cfg), indent=2) + "\n")
+
+    mesh = train.make_mesh(*cfg.mesh_shape)
+    logging.info("mesh %s over %d %s device(s), %d process(es)", dict(mesh.shape),
+                 mesh.size, jax.default_backend(), jax.process_count())
+    sharding = train.batch_sharding(mesh)
+    data_cfg = data.DataConfig(
+        opts.data_dir, seq_len=cfg.model.seq_len, batch_size=cfg.batch_size, seed=cfg.seed
+    )
+    train_iter = data.make_train_iterator(data_cfg)
+    ckpt = checkpoint.Checkpointer(workdir / CHECKPOINT_DIR, max_to_keep=opts.max_to_keep)
+    state = _restore_or_init(cfg, mesh, ckpt, train_iter, opts)
+    train_step = train.make_train_step(cfg, mesh)
+    evaluate = _Evaluator(cfg, data_cfg, mesh, sharding)
+
+    step = int(state.step)
+    total = cfg.optim.total_steps
+    saved_step = step if ckpt.latest_step() == step else None
+    summary: dict[str, Any] = {"step": step, "interrupted": False}
+    writer = metrics.MetricsWriter(workdir, resume_step=step) if lead else None
+
+    def save():
+        nonlocal saved_step
+        if saved_step != step:
+            ckpt.save(step, state, train_iter.get_state(), config_to_dict(cfg))
+            saved_step = step
+            logging.info("checkpoint step %d (async) -> %s", step, ckpt.directory)
+
+    def plot():
+        if lead:
+            metrics.plot_metrics(metrics.read_metrics(writer.path), workdir / metrics.PLOT_FILE,
+                                 opts.plot_title)
+
+    try:
+        with _StopRequest() as stop:
+            pending: list[dict[str, jax.Array]] = []
+            interval_start = time.perf_counter()
+            interval_steps = 0
+            compiled = False
+            while step < total:
+                batch = _global_batch(next(train_iter), sharding, cfg.batch_size)
+                state, step_metrics = train_step(state, batch)
+                step += 1
+                pending.append(step_metrics)
+                if not compiled:
+                    # The first step compiles; time it apart so tokens/s means throughput.
+                    jax.block_until_ready(step_metrics)
+                    compiled = True
+                    logging.info("step %d: compiled and ran in %.1f s", step,
+                                 time.perf_counter() - interval_start)
+                    interval_start = time.perf_counter()
+                else:
+                    interval_steps += 1
+
+                log_now = step % cfg.log_every == 0 or step == total
+                if log_now:
+                    host = [train.host_metrics(m) for m in pending]  # waits for the device
+                    elapsed = time.perf_counter() - interval_start
+                    tps = (interval_steps * cfg.tokens_per_step / elapsed
+                           if interval_steps else None)
+                    record = metrics.reduce_interval(host, step, tps)
+                    logging.info("%s", metrics.format_train_line(record, total, cfg.model.d_ff))
+                    if lead:
+                        writer.write(record)
+                    summary.update(
+                        {k: record[k] for k in ("ce", "l0_mean", "sparsity_mean", "alive_mean")}
+                    )
+                    pending, interval_steps = [], 0
+                    interval_start = time.perf_counter()
+
+                if evaluate.enabled and (step % cfg.eval_every == 0 or step == total):
+                    t0 = time.perf_counter()
+                    val_ce = evaluate(state.params)
+                    logging.info("step %6d  val ce %.4f  (%d batches, %.1f s)", step, val_ce,
+                                 cfg.eval_batches, time.perf_counter() - t0)
+                    if lead:
+                        writer.write({"step": step, "kind": "eval", "val_ce": val_ce})
+                    summary["val_ce"] = val_ce
+                    plot()
+                    interval_start += time.perf_counter() - t0  # not training time
+
+                if step % cfg.checkpoint_every == 0:
+                    save()
+                if opts.stop_at and step >= opts.stop_at:
+                    logging.info("stop_at=%d reached", opts.stop_at)
+                    break
+                # Multi-host: agree on stopping at log steps only (it is a collective).
+                if (jax.process_count() == 1 or log_now) and stop.agreed():
+                    logging.warning("stopped at step %d on request", step)
+                    summary["interrupted"] = True
+                    break
+        save()
+        ckpt.wait()
+        logging.info("done at step %d/%d; checkpoints %s", step, total, ckpt.all_steps())
+    finally:
+        ckpt.close()
+        if writer is not None:
+            writer.close()
+            plot()
+    summary["step"] = step
+    return summary
