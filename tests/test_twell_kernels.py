@@ -1,0 +1,253 @@
+"""D2T and (Gated)T2D kernels against dense jnp references.
+
+Two kinds of numeric checks:
+- exact: integer-valued bf16 inputs make every product and partial sum exact in fp32,
+  so the kernels must reproduce the dense bf16 reference bit for bit (any indexing,
+  masking or packing mistake shows up as a mismatch);
+- random: normal inputs; the bf16 rule (style.md): the kernel's error against an fp32
+  truth is at most 1.5x the dense bf16 reference's own error, plus 1e-3 of the scale.
+
+Each runs in the Pallas interpreter (CPU CI) and, marked `gpu`, compiled on the GPU.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import reference
+from pallas_kernels import twell_format as fmt
+from pallas_kernels.d2t import D2TConfig, d2t
+from pallas_kernels.t2d import T2DConfig, t2d
+from tests.lowering import count_triton_calls
+
+INTERPRET_AND_GPU = [
+    pytest.param(True, id="interpret"),
+    pytest.param(False, id="gpu", marks=pytest.mark.gpu),
+]
+SMALL_D2T = D2TConfig(block_m=64, block_k=64, chunk=128, num_warps=4, num_stages=2)
+BF16_FACTOR = 1.5
+SCALE_ATOL = 1e-3
+
+
+def integer_mlp(seed, m, h, n, bias, gated_bias=True):
+    """Integer-valued x [M, H] and weights [N, H] in bf16; the bias column sets density.
+
+    x[:, 0] = 1 and W[:, 0] = -bias on the sparse weight (the gate, or the up weight
+    of the non-gated MLP, both passed as `w_sparse`).
+    """
+    rng = np.random.default_rng(seed)
+    x = rng.integers(-2, 3, (m, h)).astype(np.float32)
+    x[:, 0] = 1.0
+    w_sparse = rng.integers(-2, 3, (n, h)).astype(np.float32)
+    w_sparse[:, 0] = -bias if gated_bias else 0.0
+    w_up = rng.integers(-1, 2, (n, h)).astype(np.float32)
+    w_down = rng.integers(-1, 2, (n, h)).astype(np.float32)
+    return [jnp.asarray(a, jnp.bfloat16) for a in (x, w_sparse, w_up, w_down)]
+
+
+def assert_bf16_close(out, x, weights, gated):
+    """The bf16 rule against an fp32 truth computed from the same bf16 inputs."""
+    f32 = [a.astype(jnp.float32) for a in (x, *weights)]
+    if gated:
+        truth = reference.gated_mlp(*f32)
+        dense = reference.gated_mlp(x, *weights)
+    else:
+        truth = reference.mlp(*f32)
+        dense = reference.mlp(x, *weights)
+    scale = float(jnp.max(jnp.abs(truth)))
+    dense_err = float(jnp.max(jnp.abs(dense.astype(jnp.float32) - truth)))
+    err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - truth)))
+    assert err <= BF16_FACTOR * dense_err + SCALE_ATOL * scale, (err, dense_err, scale)
+
+
+# ----------------------------------------------------------------------------- D2T
+
+
+@pytest.mark.parametrize("interpret", INTERPRET_AND_GPU)
+@pytest.mark.parametrize("compression", fmt.COMPRESSIONS)
+@pytest.mark.parametrize(("m", "bias"), [(77, 12.0), (130, 0.0)])
+def test_d2t_packs_exactly(interpret, compression, m, bias):
+    """Odd M (masked row block), sparse and ~50%-dense (overflowing) gates, empty rows."""
+    x, wg, _, _ = integer_mlp(0, m, 128, 512, bias)
+    x = x.at[5].set(0)  # all-zero row: no positives at all
+    packed = d2t(x, wg, compression=compression, cfg=SMALL_D2T, interpret=interpret)
+    expected = fmt.pack(reference.hidden(x, wg), compression)
+    np.testing.assert_array_equal(
+        np.asarray(fmt.tile_counts(packed, compression)),
+        np.asarray(fmt.tile_counts(expected, compression)),
+    )
+    # Payload words up to each tile's (clamped) count: same entries, same order.
+    np.testing.assert_array_equal(
+        np.asarray(fmt.unpack(packed, 512, compression)),
+        np.asarray(fmt.unpack(expected, 512, compression)),
+    )
+    w = fmt.slots_per_tile(compression)
+    got = np.asarray(packed).reshape(m, -1, w)
+    want = np.asarray(expected).reshape(m, -1, w)
+    used = np.arange(w)[None, None, :] <= np.minimum(want[:, :, :1], w - 1)
+    np.testing.assert_array_equal(got[used], want[used])
+
+
+@pytest.mark.parametrize("interpret", INTERPRET_AND_GPU)
+def test_d2t_full_tiles_overflow_with_true_count(interpret):
+    x = jnp.ones((64, 64), jnp.bfloat16)
+    wg = jnp.ones((256, 64), jnp.bfloat16)  # every entry positive: count 256 per tile
+    packed = d2t(x, wg, compression=8, cfg=SMALL_D2T, interpret=interpret)
+    np.testing.assert_array_equal(np.asarray(fmt.tile_counts(packed, 8)), 256)
+
+
+@pytest.mark.parametrize("interpret", INTERPRET_AND_GPU)
+def test_d2t_random_matches_dense_relu(interpret):
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((96, 256))
+    x[:, 0] = 1.0
+    wg = rng.standard_normal((512, 256)) * 0.05
+    wg[:, 0] = -0.4  # ~30% density: 80 of the 127 slots per tile at C=2
+    x, wg = jnp.asarray(x, jnp.bfloat16), jnp.asarray(wg, jnp.bfloat16)
+    packed = d2t(x, wg, compression=2, cfg=SMALL_D2T, interpret=interpret)
+    gate = reference.hidden(x, wg).astype(jnp.float32)
+    decoded = fmt.unpack(packed, 512, 2).astype(jnp.float32)
+    # fp32 summation order differs from XLA's: values agree to bf16 rounding, and an
+    # entry may only be missing/extra where the exact value is within rounding of 0.
+    np.testing.assert_allclose(np.asarray(decoded), np.asarray(gate), rtol=1e-2, atol=1e-3)
+
+
+def test_d2t_rejects_unsupported_shapes():
+    x = jnp.zeros((8, 96), jnp.bfloat16)
+    with pytest.raises(ValueError, match="multiple of block_k"):
+        d2t(x, jnp.zeros((256, 96), jnp.bfloat16), interpret=True)
+    with pytest.raises(ValueError, match="multiple of the TwELL tile"):
+        d2t(jnp.zeros((8, 64), jnp.bfloat16), jnp.zeros((320, 64), jnp.bfloat16), interpret=True)
+
+
+# ----------------------------------------------------------------------------- T2D
+
+
+def _packed(x, w_sparse, compression):
+    return fmt.pack(reference.hidden(x, w_sparse), compression)
+
+
+@pytest.mark.parametrize("interpret", INTERPRET_AND_GPU)
+@pytest.mark.parametrize("compression", fmt.COMPRESSIONS)
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+@pytest.mark.parametrize("bias", [12.0, 0.0], ids=["sparse", "overflowing"])
+def test_t2d_exact(interpret, compression, gated, bias):
+    """Bitwise equal to the dense MLP on integer inputs, overflowed tiles included."""
+    x, ws, wu, wd = integer_mlp(2, 21, 128, 512, bias)
+    x = x.at[4].set(0)
+    weights = (ws, wu, wd) if gated else (ws, wd)
+    out = t2d(x, _packed(x, ws, compression), weights, compression=compression,
+              interpret=interpret)
+    want = reference.gated_mlp(x, *weights) if gated else reference.mlp(x, *weights)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.parametrize("interpret", INTERPRET_AND_GPU)
+@pytest.mark.parametrize("group", [1, 2, 8])
+def test_t2d_entry_groups(interpret, group):
+    x, ws, wu, wd = integer_mlp(3, 9, 128, 768, 10.0)
+    out = t2d(x, _packed(x, ws, 4), (ws, wu, wd), compression=4,
+              cfg=T2DConfig(group=group), interpret=interpret)
+    np.testing.assert_array_equal(np.asarray(out, np.float32),
+                                  np.asarray(reference.gated_mlp(x, ws, wu, wd), np.float32))
+
+
+@pytest.mark.parametrize("interpret", INTERPRET_AND_GPU)
+@pytest.mark.parametrize("h", [1024, 2048, 192])
+def test_t2d_d_model_sizes(interpret, h):
+    """Production H, another power of two, and a non-power-of-two H (chunked loads)."""
+    x, ws, wu, wd = integer_mlp(4, 4, h, 256, 0.0, gated_bias=False)
+    x = x.at[:, 1:].set(jnp.clip(x[:, 1:], -1, 1))
+    ws = ws.at[:, 0].set(-float(h) / 8)
+    out = t2d(x, _packed(x, ws, 8), (ws, wu, wd), compression=8, interpret=interpret)
+    assert_bf16_close(out, x, (ws, wu, wd), gated=True)
+
+
+@pytest.mark.parametrize("interpret", INTERPRET_AND_GPU)
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+def test_t2d_random_bf16_rule(interpret, gated):
+    rng = np.random.default_rng(5)
+    m, h, n = 16, 256, 512
+    x = rng.standard_normal((m, h)).astype(np.float32)
+    x[:, 0] = 1.0
+    ws = rng.standard_normal((n, h)) * 0.06
+    ws[:, 0] = -1.5  # ~2% density
+    wu, wd = (rng.standard_normal((n, h)) * 0.06 for _ in range(2))
+    x, ws, wu, wd = (jnp.asarray(a, jnp.bfloat16) for a in (x, ws, wu, wd))
+    weights = (ws, wu, wd) if gated else (ws, wd)
+    out = t2d(x, _packed(x, ws, 8), weights, compression=8, interpret=interpret)
+    assert_bf16_close(out, x, weights, gated)
+
+
+@pytest.mark.parametrize("interpret", INTERPRET_AND_GPU)
+def test_t2d_high_precision_is_closer_to_fp32(interpret):
+    rng = np.random.default_rng(6)
+    x = jnp.asarray(rng.standard_normal((8, 128)), jnp.bfloat16).at[:, 0].set(1)
+    ws, wu, wd = (jnp.asarray(rng.standard_normal((256, 128)) * 0.1, jnp.bfloat16)
+                  for _ in range(3))
+    ws = ws.at[:, 0].set(-0.3)
+    packed = _packed(x, ws, 4)
+    gate = reference.hidden(x, ws).astype(jnp.float32)
+    up = jnp.dot(x.astype(jnp.float32), wu.astype(jnp.float32).T)
+    truth = jnp.dot(gate * up, wd.astype(jnp.float32))
+    out = t2d(x, packed, (ws, wu, wd), compression=4, high_precision=True, interpret=interpret)
+    low = t2d(x, packed, (ws, wu, wd), compression=4, interpret=interpret)
+    err_hi = float(jnp.max(jnp.abs(out.astype(jnp.float32) - truth)))
+    err_lo = float(jnp.max(jnp.abs(low.astype(jnp.float32) - truth)))
+    scale = float(jnp.max(jnp.abs(truth)))
+    assert err_hi <= 8e-3 * scale  # output rounding to bf16 only
+    assert err_hi <= err_lo
+
+
+# ------------------------------------------------------- cross-lowering to CUDA (CPU CI)
+
+M_PROD, H_PROD, N_PROD = 16384, 2048, 5632
+
+
+@pytest.mark.parametrize("compression", fmt.COMPRESSIONS)
+def test_d2t_lowers_for_cuda(compression):
+    args = (jnp.zeros((M_PROD, H_PROD), jnp.bfloat16), jnp.zeros((N_PROD, H_PROD), jnp.bfloat16))
+    fn = functools.partial(d2t, compression=compression, interpret=False)
+    assert count_triton_calls(fn, *args) == 1
+
+
+@pytest.mark.parametrize("compression", fmt.COMPRESSIONS)
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+@pytest.mark.parametrize("high_precision", [False, True], ids=["bf16", "hp"])
+def test_t2d_lowers_for_cuda(compression, gated, high_precision):
+    x = jnp.zeros((M_PROD, H_PROD), jnp.bfloat16)
+    packed = jnp.zeros((M_PROD, N_PROD // compression), jnp.uint32)
+    w = jnp.zeros((N_PROD, H_PROD), jnp.bfloat16)
+    weights = (w, w, w) if gated else (w, w)
+
+    def fn(x, packed, *weights):
+        return t2d(x, packed, weights, compression=compression,
+                   high_precision=high_precision, interpret=False)
+
+    assert count_triton_calls(fn, x, packed, *weights) == 1
+
+
+def test_t2d_lowers_for_cuda_at_non_power_of_two_width():
+    x = jnp.zeros((M_PROD, 768), jnp.bfloat16)
+    w = jnp.zeros((3072, 768), jnp.bfloat16)
+    packed = jnp.zeros((M_PROD, 3072 // 8), jnp.uint32)
+    fn = lambda x, p, a, b, c: t2d(x, p, (a, b, c), interpret=False)
+    assert count_triton_calls(fn, x, packed, w, w, w) == 1
+
+
+@pytest.mark.gpu
+def test_gpu_production_shape_against_dense():
+    """H=2048, N=5632, odd M, ~30 non-zeros per row, default block sizes."""
+    from experiments.bench_util import synthetic_mlp
+
+    x, wg, wu, wd = synthetic_mlp(4099, H_PROD, N_PROD, 30.0)
+    packed = jax.jit(lambda x, w: d2t(x, w))(x, wg)
+    np.testing.assert_array_equal(
+        np.asarray(fmt.unpack(packed, N_PROD, 8) != 0),
+        np.asarray(reference.hidden(x, wg) != 0),
+    )
+    out = jax.jit(lambda *a: t2d(a[0], a[1], a[2:]))(x, packed, wg, wu, wd)
+    assert_bf16_close(out, x, (wg, wu, wd), gated=True)
