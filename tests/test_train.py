@@ -1,5 +1,6 @@
 """Train step: sharding rules, gradient accumulation, multi-device equivalence, learning."""
 
+import functools
 import json
 import os
 import subprocess
@@ -25,10 +26,20 @@ UPDATE_RTOL = 1e-3
 
 
 def small_config(**optim) -> C.TrainConfig:
+    """fp32 tiny model; L1 warmup and dead-row re-init on so that the step exercises them."""
     model = C.model_preset("tiny", vocab_size=256, d_model=64, d_ff=256, n_layers=2,
                            n_heads=4, seq_len=16, dtype="float32")
-    return C.TrainConfig(model=model, batch_size=8,
-                         optim=C.OptimConfig(warmup_steps=0, total_steps=100, **optim))
+    return C.TrainConfig(
+        model=model, batch_size=8,
+        optim=C.OptimConfig(lr=3e-3, warmup_steps=0, total_steps=100, **optim),
+        sparsity=C.SparsityConfig(l1_warmup_steps=5, reinit_dead_every=5),
+    )
+
+
+@functools.cache
+def cached_step(cfg: C.TrainConfig, mesh):
+    """One compiled train step per (config, mesh) for the whole module (compiles dominate)."""
+    return train.make_train_step(cfg, mesh)
 
 
 def random_batch(cfg: C.TrainConfig, seed: int = 0) -> dict[str, np.ndarray]:
@@ -41,7 +52,7 @@ def one_step(cfg: C.TrainConfig, mesh, batch):
     """(params before, params after, host metrics) of one optimizer step."""
     state = train.create_train_state(cfg, mesh)
     before = jax.device_get(state.params)
-    state, metrics = train.make_train_step(cfg, mesh)(state, batch)
+    state, metrics = cached_step(cfg, mesh)(state, batch)
     return before, jax.device_get(state.params), train.host_metrics(metrics)
 
 
@@ -96,34 +107,68 @@ def test_grad_accumulation_matches_full_batch():
 
 
 _SHARDED = textwrap.dedent("""
-    import json
     import dataclasses
+    import json
+
     import jax
+    import jax.numpy as jnp
     import numpy as np
+    from flax import nnx
+
+    import pallas_kernels
     from tests.test_train import small_config, random_batch, one_step, update_rel_diff
+    from twell_jax import model as M
     from twell_jax import train
 
     assert jax.device_count() == 8
-    cfg = small_config(grad_accum_steps=2)
-    cfg = dataclasses.replace(cfg, batch_size=16)
+    cfg = dataclasses.replace(small_config(grad_accum_steps=2), batch_size=16)
     batch = random_batch(cfg)
     mesh8 = train.make_mesh(2, 4)
     before1, after1, m1 = one_step(cfg, train.make_mesh(1, 1, jax.devices()[:1]), batch)
     before8, after8, m8 = one_step(cfg, mesh8, batch)
-    state = train.create_train_state(cfg, mesh8)
-    print(json.dumps({
+    params = train.create_train_state(cfg, mesh8).params
+    result = {
         "same_init": all(np.array_equal(a, b) for a, b in
                          zip(jax.tree.leaves(before1), jax.tree.leaves(before8))),
         "loss": [m1["loss"], m8["loss"]],
         "grad_norm": [m1["grad_norm"], m8["grad_norm"]],
         "update_rel_diff": update_rel_diff(before1, after8, after1),
-        "w_up_spec": str(state.params["blocks"]["ffn"]["w_up"].sharding.spec),
-    }))
+        "w_up_spec": str(params["blocks"]["ffn"]["w_up"].sharding.spec),
+    }
+
+    # Kernel FFNs run per batch shard: a dense stand-in for the sparse op must give the
+    # dense model's outputs and statistics, with counters summed over the 8 shards.
+    def stand_in(x, w_gate, w_up, w_down):
+        out, stats = M._ffn_dense_counted(x, {"w_gate": w_gate, "w_up": w_up, "w_down": w_down})
+        return out, {**stats, "tail_rows": jnp.ones((), jnp.int32)}
+
+    pallas_kernels.sparse_gated_mlp_train = stand_in
+    dense = dataclasses.replace(cfg.model, dtype="bfloat16")
+    sparse = dataclasses.replace(dense, ffn_impl="sparse")
+
+    def forward(model_cfg, p):
+        logits, stats = nnx.merge(train.model_graphdef(model_cfg), p)(
+            batch["inputs"], jnp.ones(cfg.model.n_layers, bool))
+        return logits.mean() + stats["l1"].mean(), stats
+
+    with jax.set_mesh(mesh8):
+        (want, want_stats), (got, got_stats) = [
+            jax.jit(forward, static_argnums=0)(c, params) for c in (dense, sparse)]
+        # The backward through shard_map must at least trace.
+        jax.eval_shape(jax.grad(lambda p: forward(sparse, p)[0]), params)
+    result.update({
+        "kernel_loss": [float(want), float(got)],
+        "kernel_l0": [want_stats["l0"].tolist(), got_stats["l0"].tolist()],
+        "kernel_fired_equal": bool(jnp.all(want_stats["fired"] == got_stats["fired"])),
+        "kernel_tail_rows": got_stats["tail_rows"].tolist(),
+    })
+    print(json.dumps(result))
 """)
 
 
 def test_sharded_step_matches_single_device():
-    """A (data=2, fsdp=4) step on 8 simulated CPUs equals the 1-device step."""
+    """On 8 simulated CPUs, mesh (data=2, fsdp=4): the train step equals the 1-device
+    step, and the per-shard kernel FFN path equals the dense one."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
                JAX_PLATFORMS="cpu")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -137,18 +182,18 @@ def test_sharded_step_matches_single_device():
     assert out["update_rel_diff"] < UPDATE_RTOL
     # [L, N, H] = [2, 256, 64]: N is the largest dimension after the layer axis.
     assert out["w_up_spec"] == str(P(None, "fsdp", None))
+    assert out["kernel_loss"][1] == pytest.approx(out["kernel_loss"][0], rel=LOSS_RTOL)
+    np.testing.assert_allclose(out["kernel_l0"][1], out["kernel_l0"][0], rtol=1e-6)
+    assert out["kernel_fired_equal"]
+    assert out["kernel_tail_rows"] == [8, 8]
 
 
 def test_loss_decreases_and_metrics():
-    """bf16 compute, L1 warmup and dead-row re-init on: 20 steps must learn something."""
-    base = small_config()
-    cfg = C.with_overrides(base, {
-        "model.dtype": "bfloat16", "optim.lr": 3e-3, "optim.warmup_steps": 2,
-        "sparsity.l1_warmup_steps": 5, "sparsity.reinit_dead_every": 5,
-    })
+    """20 steps on one batch must learn something; metrics are consistent."""
+    cfg = small_config()
     mesh = train.make_mesh()
     state = train.create_train_state(cfg, mesh)
-    step = train.make_train_step(cfg, mesh)
+    step = cached_step(cfg, mesh)  # shared with the grad-accumulation test
     batch = random_batch(cfg)
     losses = []
     for _ in range(20):
@@ -170,8 +215,8 @@ def test_loss_decreases_and_metrics():
 
 
 def test_twell_cannot_train():
-    cfg = small_config()
-    cfg = C.with_overrides(cfg, {"model.ffn_impl": "twell", "model.dtype": "bfloat16"})
+    cfg = C.with_overrides(small_config(),
+                           {"model.ffn_impl": "twell", "model.dtype": "bfloat16"})
     with pytest.raises(ValueError, match="inference-only"):
         train.make_train_step(cfg, train.make_mesh())
 

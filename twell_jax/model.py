@@ -20,6 +20,7 @@ FFN implementations (`ModelConfig.ffn_impl`):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -176,11 +177,17 @@ def _ffn_twell(
     }
 
 
+# Overflow counters of the sparse training op (twell.md §5: nothing silently lost);
+# zero on the dense path.
+SPARSE_COUNTERS = ("tail_rows", "dense_fallback")
+
+
 def _ffn_sparse(x: jax.Array, w: dict[str, jax.Array]) -> tuple[jax.Array, Stats]:
-    """Sparse training kernels (gated ReLU), same outputs as `_ffn_dense`.
+    """Sparse training kernels (gated ReLU), same outputs as `_ffn_dense_counted`.
 
     The L1 gradient reaches the kernels through the cotangent of the differentiable
-    `stats["l1"]` (training spec §3: c = g_l1 / M), exactly as on the dense path.
+    `stats["l1"]` (training spec §3: c = g_l1 / M), exactly as on the dense path, so
+    the op's own `l1_coef` stays 0.
 
     Raises:
       NotImplementedError: pallas_kernels has no `sparse_gated_mlp_train`.
@@ -198,7 +205,50 @@ def _ffn_sparse(x: jax.Array, w: dict[str, jax.Array]) -> tuple[jax.Array, Stats
         "l1": stats["l1"].astype(jnp.float32),
         "l0": stats["l0"].astype(jnp.float32),
         "fired": stats["fired"].astype(bool),
+        **{k: stats[k].astype(jnp.int32) for k in SPARSE_COUNTERS},
     }
+
+
+def _ffn_dense_counted(x: jax.Array, w: dict[str, jax.Array]) -> tuple[jax.Array, Stats]:
+    """`_ffn_dense` (gated ReLU) with zero overflow counters, the other branch of the switch."""
+    out, stats = _ffn_dense(x, w, "gated_relu")
+    return out, {**stats, **{k: jnp.zeros((), jnp.int32) for k in SPARSE_COUNTERS}}
+
+
+def _any(v: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    return jax.lax.psum(v.astype(jnp.int32), axes) > 0
+
+
+# How each statistic combines over batch shards.
+_STAT_REDUCTIONS = {
+    "l1": jax.lax.pmean,
+    "l0": jax.lax.pmean,
+    "fired": _any,
+    "max_tile_count": jax.lax.pmax,
+    "overflow_tiles": jax.lax.psum,
+    "tail_rows": jax.lax.psum,
+    "dense_fallback": jax.lax.pmax,
+}
+
+
+def _per_batch_shard(fn: Callable) -> Callable:
+    """Runs a kernel FFN `fn(x [M, H], w) -> (out, stats)` once per batch shard.
+
+    XLA cannot partition a Pallas call, so under a multi-device mesh the kernels run in
+    `shard_map`: tokens stay split over the batch axes, the weights are gathered whole
+    (what FSDP does before every layer anyway) and the statistics are combined.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not set(BATCH_AXES) <= set(mesh.axis_names) or mesh.size == 1:
+        return fn
+
+    def per_shard(x, w):
+        out, stats = fn(x, w)
+        return out, {k: _STAT_REDUCTIONS[k](v, BATCH_AXES) for k, v in stats.items()}
+
+    return jax.shard_map(
+        per_shard, in_specs=(P(BATCH_AXES), P()), out_specs=(P(BATCH_AXES), P())
+    )
 
 
 class FeedForward(nnx.Module):
@@ -220,17 +270,19 @@ class FeedForward(nnx.Module):
           use_sparse: bool scalar; with ffn_impl="sparse", run the sparse kernels.
 
         Returns:
-          out [M, H] compute dtype, and stats {l1, l0: fp32 scalars, fired: [N] bool}
-          (for ffn_impl="twell": {l0, max_tile_count, overflow_tiles}, see `_ffn_twell`).
+          out [M, H] compute dtype, and stats {l1, l0: fp32 scalars, fired: [N] bool};
+          ffn_impl="sparse" adds the int32 counters `SPARSE_COUNTERS`; ffn_impl="twell"
+          gives {l0, max_tile_count, overflow_tiles} instead (see `_ffn_twell`).
         """
         cfg = self.cfg
         names = ("w_gate", "w_up", "w_down") if cfg.gated else ("w_up", "w_down")
         w = {k: getattr(self, k)[...].astype(cfg.compute_dtype) for k in names}
         if cfg.ffn_impl == "twell":
-            return _ffn_twell(x, w, cfg.twell_compression)
+            twell = lambda x, w: _ffn_twell(x, w, cfg.twell_compression)
+            return _per_batch_shard(twell)(x, w)
         if cfg.ffn_impl == "sparse":
             return jax.lax.cond(
-                use_sparse, _ffn_sparse, lambda x, w: _ffn_dense(x, w, cfg.ffn_variant), x, w
+                use_sparse, _per_batch_shard(_ffn_sparse), _ffn_dense_counted, x, w
             )
         return _ffn_dense(x, w, cfg.ffn_variant)
 
@@ -315,8 +367,9 @@ class Transformer(nnx.Module):
         Returns:
           logits [B, S, V] fp32 and stats stacked over layers: `l1` [L] fp32 (mean over
           tokens of sum_N |h|, differentiable), `l0` [L] fp32 (mean non-zeros per
-          token), `fired` [L, N] bool (fired for at least one token of this batch).
-          ffn_impl="twell" gives `l0`, `max_tile_count`, `overflow_tiles`, each [L].
+          token), `fired` [L, N] bool (fired for at least one token of this batch);
+          ffn_impl="sparse" adds `tail_rows`, `dense_fallback` [L] int32; ffn_impl="twell"
+          gives `l0`, `max_tile_count`, `overflow_tiles`, each [L], instead.
         """
         x, stats = self._body(tokens, use_sparse)
         head = self.embed if self.cfg.tie_embeddings else self.lm_head

@@ -19,6 +19,7 @@ Typical use (what `experiments/pretrain.py` does):
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -32,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from twell_jax import sparsity
 from twell_jax.config import ModelConfig, OptimConfig, TrainConfig
-from twell_jax.model import BATCH_AXES, Transformer
+from twell_jax.model import BATCH_AXES, SPARSE_COUNTERS, Transformer
 
 Batch = dict[str, jax.Array]
 Params = dict[str, Any]
@@ -146,9 +147,12 @@ def model_graphdef(cfg: ModelConfig) -> nnx.GraphDef:
     return nnx.split(abstract)[0]
 
 
-def _init_state(cfg: TrainConfig, rng: jax.Array) -> TrainState:
-    model = Transformer(cfg.model, rngs=nnx.Rngs(params=rng))
-    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+def _init_params(model_cfg: ModelConfig, rng: jax.Array) -> Params:
+    model = Transformer(model_cfg, rngs=nnx.Rngs(params=rng))
+    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+def _state_from_params(cfg: TrainConfig, params: Params) -> TrainState:
     m = cfg.model
     return TrainState(
         step=jnp.zeros((), jnp.int32),
@@ -160,18 +164,29 @@ def _init_state(cfg: TrainConfig, rng: jax.Array) -> TrainState:
     )
 
 
+def _abstract_state(cfg: TrainConfig) -> TrainState:
+    params = jax.eval_shape(functools.partial(_init_params, cfg.model), jax.random.key(0))
+    return jax.eval_shape(lambda p: _state_from_params(cfg, p), params)
+
+
+@functools.cache
+def _params_initializer(model_cfg: ModelConfig, mesh: Mesh) -> Callable:
+    """Jitted sharded parameter init, one per (model, mesh): its compile is the slow part."""
+    init = functools.partial(_init_params, model_cfg)
+    abstract = jax.eval_shape(init, jax.random.key(0))
+    return jax.jit(init, out_shardings=_tree_shardings(abstract, mesh))
+
+
 def train_state_shardings(cfg: TrainConfig, mesh: Mesh) -> TrainState:
     """NamedSharding of every TrainState leaf (for jit and checkpoint restore)."""
-    abstract = jax.eval_shape(lambda: _init_state(cfg, jax.random.key(0)))
-    return _tree_shardings(abstract, mesh)
+    return _tree_shardings(_abstract_state(cfg), mesh)
 
 
 def abstract_train_state(cfg: TrainConfig, mesh: Mesh) -> TrainState:
     """TrainState of `jax.ShapeDtypeStruct`s with shardings: an Orbax restore target."""
-    abstract = jax.eval_shape(lambda: _init_state(cfg, jax.random.key(0)))
     return jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-        abstract, train_state_shardings(cfg, mesh),
+        _abstract_state(cfg), train_state_shardings(cfg, mesh),
     )
 
 
@@ -184,8 +199,13 @@ def create_train_state(cfg: TrainConfig, mesh: Mesh, rng: jax.Array | None = Non
       rng: parameter-init key; defaults to `jax.random.key(cfg.seed)`.
     """
     rng = jax.random.key(cfg.seed) if rng is None else rng
-    init = jax.jit(_init_state, static_argnums=0, out_shardings=train_state_shardings(cfg, mesh))
-    return init(cfg, rng)
+    params = _params_initializer(cfg.model, mesh)(rng)
+    complete = jax.jit(
+        functools.partial(_state_from_params, cfg),
+        out_shardings=train_state_shardings(cfg, mesh),
+        donate_argnums=0,
+    )
+    return complete(params)
 
 
 def _microbatches(x: jax.Array, n: int) -> jax.Array:
@@ -227,7 +247,8 @@ def make_train_step(
       `step(state, batch) -> (state, metrics)`, batch {"inputs", "targets"} int32 [B, S]
       with B = cfg.batch_size. Metrics (device arrays; `jax.device_get` them):
       scalars loss, ce, l1_loss (lambda * L1 term), l1_coef, grad_norm (before
-      clipping), lr; per layer [L]: l1, l0, sparsity (1 - l0/N), alive, use_sparse.
+      clipping), lr; per layer [L]: l1, l0, sparsity (1 - l0/N), alive, use_sparse,
+      and with ffn_impl="sparse" the int32 overflow counters tail_rows, dense_fallback.
 
     Raises:
       ValueError: ffn_impl="twell" (inference kernels have no gradient).
@@ -301,6 +322,8 @@ def make_train_step(
             "sparsity": sparsity.sparsity_fraction(l0, cfg.model.d_ff),
             "alive": alive,
             "use_sparse": state.use_sparse,
+            # Sparse-op overflow counters, summed over micro-batches.
+            **{k: stats[k].sum(axis=0) for k in SPARSE_COUNTERS if k in stats},
         }
         return new_state, metrics
 
