@@ -1,0 +1,150 @@
+"""Public ops twell_gated_mlp / twell_mlp: contract, statistics, errors, gradients."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels as pk
+from pallas_kernels import reference
+from pallas_kernels.d2t import D2TConfig
+from tests.lowering import count_triton_calls
+from tests.test_twell_kernels import INTERPRET_AND_GPU, integer_mlp
+
+SMALL = D2TConfig(block_m=64, num_warps=4, num_stages=2)
+
+
+def _impl(interpret):
+    return "interpret" if interpret else "pallas"
+
+
+@pytest.mark.parametrize("interpret", INTERPRET_AND_GPU)
+@pytest.mark.parametrize("bias", [10.0, 0.0], ids=["sparse", "overflowing"])
+def test_gated_op_exact_with_leading_dims_and_stats(interpret, bias):
+    x, wg, wu, wd = integer_mlp(0, 30, 128, 512, bias)
+    x3 = x.reshape(2, 15, 128)
+    out, stats = pk.twell_gated_mlp(x3, wg, wu, wd, impl=_impl(interpret), return_stats=True,
+                                    d2t_config=SMALL)
+    assert out.shape == x3.shape and out.dtype == jnp.bfloat16
+    want = reference.gated_mlp(x, wg, wu, wd).reshape(x3.shape)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
+    gate = reference.hidden(x, wg)
+    counts = np.asarray((gate > 0).reshape(30, 2, 256).sum(-1))
+    assert float(stats.nnz_per_row) == pytest.approx(counts.sum() / 30)
+    assert int(stats.max_tile_count) == counts.max()
+    assert int(stats.overflow_tiles) == (counts > 31).sum()
+    if bias == 0.0:
+        assert int(stats.overflow_tiles) > 0  # the fallback really ran
+
+
+@pytest.mark.parametrize("interpret", INTERPRET_AND_GPU)
+@pytest.mark.parametrize("compression", [8, 2])
+def test_nongated_op_exact(interpret, compression):
+    x, wu, _, wd = integer_mlp(1, 19, 128, 256, 8.0)
+    out = pk.twell_mlp(x, wu, wd, compression=compression, impl=_impl(interpret),
+                       d2t_config=SMALL)
+    np.testing.assert_array_equal(np.asarray(out, np.float32),
+                                  np.asarray(reference.mlp(x, wu, wd), np.float32))
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_xla_impl_matches_kernels_and_stats(gated):
+    x, ws, wu, wd = integer_mlp(2, 12, 128, 512, 6.0)
+    weights = (ws, wu, wd) if gated else (ws, wd)
+    op = pk.twell_gated_mlp if gated else pk.twell_mlp
+    out_x, st_x = op(x, *weights, impl="xla", return_stats=True)
+    out_i, st_i = op(x, *weights, impl="interpret", return_stats=True, d2t_config=SMALL)
+    np.testing.assert_array_equal(np.asarray(out_x, np.float32), np.asarray(out_i, np.float32))
+    for a, b in zip(st_x, st_i, strict=True):
+        assert float(a) == float(b)
+
+
+def test_auto_impl_runs_on_cpu_and_under_jit():
+    x, wg, wu, wd = integer_mlp(3, 8, 64, 256, 4.0)
+    out = jax.jit(pk.twell_gated_mlp)(x, wg, wu, wd)
+    np.testing.assert_array_equal(np.asarray(out, np.float32),
+                                  np.asarray(reference.gated_mlp(x, wg, wu, wd), np.float32))
+
+
+def test_high_precision_xla_path_is_closer_to_fp32():
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.standard_normal((16, 128)), jnp.bfloat16)
+    wg, wu, wd = (jnp.asarray(rng.standard_normal((256, 128)) * 0.1, jnp.bfloat16)
+                  for _ in range(3))
+    truth = reference.gated_mlp(*(a.astype(jnp.float32) for a in (x, wg, wu, wd)))
+    hi = pk.twell_gated_mlp(x, wg, wu, wd, impl="xla", high_precision=True, compression=2)
+    lo = pk.twell_gated_mlp(x, wg, wu, wd, impl="xla", compression=2)
+    err = lambda o: float(jnp.max(jnp.abs(o.astype(jnp.float32) - truth)))
+    assert err(hi) <= err(lo)
+
+
+def test_empty_batch():
+    _, wg, wu, wd = integer_mlp(5, 1, 64, 256, 4.0)
+    out, stats = pk.twell_gated_mlp(jnp.zeros((0, 64), jnp.bfloat16), wg, wu, wd,
+                                    return_stats=True)
+    assert out.shape == (0, 64) and int(stats.overflow_tiles) == 0
+
+
+def test_gradients_are_the_dense_mlps():
+    x, wg, wu, wd = integer_mlp(6, 8, 64, 256, 4.0)
+    x = x * 0.25
+
+    def loss(op, *a):
+        return jnp.sum(op(*a).astype(jnp.float32) ** 2)
+
+    got = jax.grad(lambda *a: loss(pk.twell_gated_mlp, *a), argnums=(0, 1, 2, 3))(x, wg, wu, wd)
+    want = jax.grad(lambda *a: loss(reference.gated_mlp, *a), argnums=(0, 1, 2, 3))(
+        x, wg, wu, wd)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                                   rtol=1e-2, atol=1e-2)
+
+
+X = jnp.zeros((4, 128), jnp.bfloat16)
+W = jnp.zeros((256, 128), jnp.bfloat16)
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "message"),
+    [
+        ((X.astype(jnp.float32), W, W, W), {}, "x must be bfloat16"),
+        ((X, W.astype(jnp.float32), W, W), {}, "w_gate must be bfloat16"),
+        ((X, W, W[:, :64], W), {}, r"w_up must be \[N, H\]"),
+        ((X, W, W, W[:128]), {}, r"w_down must be \[N, H\]"),
+        ((X[:, :64], W, W, W), {}, r"w_gate must be \[N, H\]"),
+        ((X, W[:192], W[:192], W[:192]), {}, "multiple of the TwELL tile"),
+        ((X[:, :96], W[:, :96], W[:, :96], W[:, :96]), {}, "multiple of 64"),
+        ((X, W, W, W), {"compression": 16}, "compression must be one of"),
+        ((X, W, W, W), {"impl": "cuda"}, "impl must be one of"),
+        ((jnp.zeros((), jnp.bfloat16), W, W, W), {}, r"x must be \[\.\.\., H\]"),
+    ],
+)
+def test_gated_op_errors(args, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        pk.twell_gated_mlp(*args, **kwargs)
+
+
+def test_nongated_op_errors():
+    with pytest.raises(ValueError, match=r"w_down must be \[N, H\]"):
+        pk.twell_mlp(X, W, W[:, :64])
+    with pytest.raises(ValueError, match="x must be bfloat16"):
+        pk.twell_mlp(X.astype(jnp.float16), W, W)
+
+
+def test_too_many_columns_for_16_bit_indices():
+    x = jax.ShapeDtypeStruct((4, 64), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((65792, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="16 bits"):
+        jax.eval_shape(pk.twell_mlp, x, w, w)
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_ops_lower_for_cuda(gated):
+    x = jnp.zeros((16384, 2048), jnp.bfloat16)
+    w = jnp.zeros((5632, 2048), jnp.bfloat16)
+    if gated:
+        fn = lambda x, a, b, c: pk.twell_gated_mlp(x, a, b, c, impl="pallas")
+        assert count_triton_calls(fn, x, w, w, w) == 2
+    else:
+        fn = lambda x, a, b: pk.twell_mlp(x, a, b, impl="pallas")
+        assert count_triton_calls(fn, x, w, w) == 2
