@@ -7,6 +7,8 @@ kernel: the TwELL inference ops against the dense XLA MLP (gated and non-gated) 
 M in --tokens, H=2048, N=5632, with synthetic gates at --nnz non-zeros per row, plus a
 density sweep of the whole gated MLP (--sweep_nnz) for the crossover.
 tune: block-size sweep of D2T and launch sweep of GatedT2D at the largest M.
+train: the hybrid sparse training op's value_and_grad against dense XLA
+(experiments/benchmark_train.py), at M=--train_tokens.
 """
 
 from __future__ import annotations
@@ -21,13 +23,14 @@ import jax.numpy as jnp
 from absl import app, flags, logging
 
 from experiments import bench_util as bu
+from experiments import benchmark_train
 from pallas_kernels import d2t as d2t_mod
 from pallas_kernels import ops, reference
 from pallas_kernels import t2d as t2d_mod
 from pallas_kernels import twell_format as fmt
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("mode", "kernel", ["kernel", "tune"], "What to measure.")
+flags.DEFINE_enum("mode", "kernel", ["kernel", "tune", "train"], "What to measure.")
 flags.DEFINE_string("out", "", "JSON output path (default: print only).")
 flags.DEFINE_list("tokens", ["16384", "131072"], "Token counts M.")
 flags.DEFINE_list("nnz", ["29", "56", "115"], "Target non-zeros per row of the synthetic gate.")
@@ -36,6 +39,14 @@ flags.DEFINE_list("sweep_nnz", ["29", "56", "115", "170", "230", "345"],
 flags.DEFINE_integer("d_model", 2048, "H.")
 flags.DEFINE_integer("d_ff", 5632, "N.")
 flags.DEFINE_integer("compression", 8, "TwELL compression C.")
+flags.DEFINE_multi_string(
+    "tune_d2t_cfg", ["128,64,128,8,3", "128,64,64,8,3", "128,64,64,8,4", "128,64,32,8,3"],
+    "D2T block_m,block_k,chunk,num_warps,num_stages to try in --mode=tune.")
+flags.DEFINE_multi_string(
+    "tune_t2d_cfg", ["1,4,1", "2,4,1", "4,4,1", "8,4,1", "4,8,1", "8,8,1", "16,8,1", "4,2,1"],
+    "T2D group,num_warps,num_stages to try in --mode=tune.")
+flags.DEFINE_list("train_nnz", ["10", "29", "50", "100"], "Densities of --mode=train.")
+flags.DEFINE_integer("train_tokens", 16384, "M of --mode=train (per-GPU micro-batch).")
 flags.DEFINE_integer("reps", 30, "Timed calls per measurement (median reported).")
 flags.DEFINE_integer("warmup", 5, "Untimed calls first.")
 
@@ -114,16 +125,16 @@ def sweep_case(m: int, nnz: float, h: int, n: int, c: int, reps: int, warmup: in
     }
 
 
+def _ints(spec: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in spec.split(","))
+
+
 def tune(m: int, h: int, n: int, c: int, reps: int, warmup: int) -> dict:
     """D2T block sizes and GatedT2D launch parameters at ~29 non-zeros per row."""
     x, wg, wu, wd = bu.synthetic_mlp(m, h, n, 29)
     gemm_ms = bu.time_fn(jax.jit(reference.hidden), x, wg, warmup=warmup, reps=reps)["median_ms"]
     d2t_rows = []
-    for bm, bk, chunk, warps, stages in [
-        (128, 64, 128, 8, 3), (128, 64, 128, 8, 4), (128, 64, 256, 8, 3), (128, 64, 64, 8, 3),
-        (64, 64, 128, 4, 3), (64, 64, 256, 4, 4), (128, 64, 128, 4, 3), (128, 32, 128, 8, 4),
-        (256, 64, 128, 8, 3),
-    ]:
+    for bm, bk, chunk, warps, stages in map(_ints, FLAGS.tune_d2t_cfg):
         cfg = d2t_mod.D2TConfig(bm, bk, chunk, warps, stages)
         try:
             f = jax.jit(lambda x, w, cfg=cfg: d2t_mod.d2t(x, w, compression=c, cfg=cfg))
@@ -135,8 +146,8 @@ def tune(m: int, h: int, n: int, c: int, reps: int, warmup: int) -> dict:
         print(d2t_rows[-1], flush=True)
     packed = jax.jit(lambda x, w: d2t_mod.d2t(x, w, compression=c))(x, wg)
     t2d_rows = []
-    for warps, stages in [(1, 1), (2, 1), (4, 1), (4, 2), (8, 1), (16, 1)]:
-        cfg = t2d_mod.T2DConfig(warps, stages)
+    for group, warps, stages in map(_ints, FLAGS.tune_t2d_cfg):
+        cfg = t2d_mod.T2DConfig(group, warps, stages)
         try:
             f = jax.jit(lambda x, p, a, b, d, cfg=cfg: t2d_mod.t2d(x, p, (a, b, d),
                                                                   compression=c, cfg=cfg))
@@ -172,6 +183,11 @@ def main(argv):
         for nnz in FLAGS.sweep_nnz:
             result["sweep"].append(sweep_case(max(tokens), float(nnz), *args))
             print(json.dumps(result["sweep"][-1]), flush=True)
+    elif FLAGS.mode == "train":
+        result["cases"] = benchmark_train.run(
+            M=FLAGS.train_tokens, H=h, N=n, nnz_targets=tuple(float(v) for v in FLAGS.train_nnz),
+            reps=FLAGS.reps,
+        )
     else:
         result["tune"] = tune(max(tokens), *args)
     if FLAGS.out:
