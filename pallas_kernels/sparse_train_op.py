@@ -27,6 +27,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from pallas_kernels import _triton
 from pallas_kernels import hybrid_format as hf
@@ -34,6 +35,10 @@ from pallas_kernels import sparse_train as st
 from pallas_kernels.reference import gated_hidden
 
 _F32 = jnp.float32
+
+# checkpoint_name of the op's ELL residuals, e.g. for
+# jax.checkpoint_policies.save_only_these_names(RESIDUALS_NAME).
+RESIDUALS_NAME = "twell_sparse_residuals"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,7 +236,11 @@ def _op(static, l1_coef, x, wg, wu, wd):
 
 def _op_fwd(static, l1_coef, x, wg, wu, wd):
     out, stats, res = _forward(static, x, wg, wu, wd)
-    return (out, stats), (l1_coef, *res)
+    # Named so a remat policy can keep the small ELL residuals (~20 MB per layer at
+    # M=16384) instead of re-running the gate GEMM and the forward kernels.
+    x, wg, wu, wd, *ell_res = res
+    ell_res = checkpoint_name(tuple(ell_res), RESIDUALS_NAME)
+    return (out, stats), (l1_coef, x, wg, wu, wd, *ell_res)
 
 
 def _op_bwd(static, res, cts):

@@ -18,7 +18,11 @@ from jax.sharding import Mesh, PartitionSpec
 from pallas_kernels import hybrid_format as hf
 from pallas_kernels import reference as ref
 from pallas_kernels import sparse_train as st
-from pallas_kernels.sparse_train_op import SparseTrainConfig, sparse_gated_mlp_train
+from pallas_kernels.sparse_train_op import (
+    RESIDUALS_NAME,
+    SparseTrainConfig,
+    sparse_gated_mlp_train,
+)
 from tests.lowering import TRITON_CALL, count_triton_calls, lower_for_cuda
 
 OUT_RTOL = 1e-2  # norm-relative error of outputs / kernel results vs dense bf16
@@ -290,6 +294,27 @@ def test_checkpoint_and_shard_map():
     ref_grads = jax.grad(_ref_loss, argnums=(0, 1, 2, 3))(*inputs)
     for g, gr in zip(grads, ref_grads, strict=True):
         assert rel_err(g, gr) < GRAD_RTOL
+
+
+def test_remat_policy_keeps_residuals():
+    """With save_only_these_names(RESIDUALS_NAME) the backward does not redo the gate GEMM.
+
+    impl="xla": with Pallas the jaxpr keeps the recomputed (unused) pallas_calls, which
+    XLA then removes as dead code (the Triton custom calls have no side effects).
+    """
+    inputs = make_inputs(16, M, H, N, 6)[:4]
+    cfg = SparseTrainConfig(impl="xla", **SMALL)
+
+    def count_gate_gemms(policy):
+        def loss(*a):
+            fn = lambda *a: sparse_gated_mlp_train(*a, config=cfg)[0]
+            return jnp.sum(jax.checkpoint(fn, policy=policy)(*a).astype(jnp.float32))
+
+        jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(*inputs)
+        return str(jaxpr).count(f"bf16[{M},{N}] = dot_general")  # U = x Wg^T in bf16
+
+    assert count_gate_gemms(None) == 2  # default remat: forward recomputed
+    assert count_gate_gemms(jax.checkpoint_policies.save_only_these_names(RESIDUALS_NAME)) == 1
 
 
 @pytest.mark.parametrize("interpret", MODES)
