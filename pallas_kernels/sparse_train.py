@@ -34,6 +34,10 @@ from pallas_kernels.hybrid_format import Csc, EllRows, compact_rows_ref, slot_ma
 
 _F32 = jnp.float32
 _I32 = jnp.int32
+# L2 hints: gathered weight rows are reused by many tokens (keep them, 23 MB per weight
+# at production shapes); the dense gate is read once (stream it).
+_KEEP = "evict_last"
+_STREAM = "evict_first"
 
 
 def _is_pow2(v: int) -> bool:
@@ -69,7 +73,9 @@ def _compact_kernel(
     def chunk(c, base):
         col = c * block_cols + lane
         col_bn = jnp.broadcast_to(col[None, :], (block_rows, block_cols))
-        p = _triton.load(p_ref.at[rows_bn, col_bn], mask=row_ok[:, None], other=0)
+        p = _triton.load(
+            p_ref.at[rows_bn, col_bn], mask=row_ok[:, None], other=0, eviction_policy=_STREAM
+        )
         pos = p > 0
         incl = jnp.dot(pos.astype(jnp.bfloat16), tri, preferred_element_type=_F32)
         slot = base[:, None] + incl.astype(_I32) - 1
@@ -165,7 +171,8 @@ def _gather_dot(x_ref, w_ref, row, cols, ok, *, h, chunk, block_h):
         xv = _triton.load(x_ref.at[row, d]).astype(_F32)
         cols_d = jnp.broadcast_to(cols[:, None], (chunk, block_h))
         d_c = jnp.broadcast_to(d[None, :], (chunk, block_h))
-        w = _triton.load(w_ref.at[cols_d, d_c], mask=ok[:, None], other=0).astype(_F32)
+        w = _triton.load(w_ref.at[cols_d, d_c], mask=ok[:, None], other=0, eviction_policy=_KEEP)
+        w = w.astype(_F32)
         return acc + jnp.sum(w * xv[None, :], axis=1)
 
     return lax.fori_loop(0, h // block_h, step, jnp.zeros((chunk,), _F32))
@@ -271,7 +278,9 @@ def _spmm_rows_kernel(count_ref, cols_ref, *refs, n_terms, chunk, block_h):
         cols_d = jnp.broadcast_to(cols[:, None], (chunk, block_h))
         for v_ref, w_ref in zip(val_refs, w_refs, strict=True):
             v = _triton.load(v_ref.at[row, slots], mask=ok, other=0).astype(_F32)
-            w = _triton.load(w_ref.at[cols_d, d_c], mask=ok[:, None], other=0).astype(_F32)
+            w = _triton.load(
+                w_ref.at[cols_d, d_c], mask=ok[:, None], other=0, eviction_policy=_KEEP
+            ).astype(_F32)
             acc = acc + jnp.sum(v[:, None] * w, axis=0)
         return acc
 
