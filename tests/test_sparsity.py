@@ -97,3 +97,12 @@ def test_reinit_changes_only_dead_gating_rows(variant):
     assert 0.0 < fresh.std() < 5 * cfg.init_std
     np.testing.assert_array_equal(new_tsf, np.where(dead, 0, tsf))
     assert new["embed"] == 1.0 and new["blocks"]["attn_norm"] is params["blocks"]["attn_norm"]
+
+
+def test_sparse_switch_rechecks_every_k_steps():
+    cfg = SparsityConfig(sparse_l0_cutoff=50.0, sparse_recheck_every=20)
+    l0 = jnp.array([10.0, 50.0, 80.0])
+    use = jnp.array([False, True, True])
+    np.testing.assert_array_equal(S.next_use_sparse(0, l0, use, cfg), [True, False, False])
+    np.testing.assert_array_equal(S.next_use_sparse(40, l0, use, cfg), [True, False, False])
+    np.testing.assert_array_equal(S.next_use_sparse(7, l0, use, cfg), use)

@@ -221,6 +221,15 @@ def test_twell_cannot_train():
         train.make_train_step(cfg, train.make_mesh())
 
 
+def test_micro_batch_must_split_over_devices():
+    cfg = C.TrainConfig(model=small_config().model, batch_size=6,
+                        optim=C.OptimConfig(grad_accum_steps=2))
+    # The check runs before the mesh's devices are used: an abstract 2-device mesh will do.
+    mesh = jax.sharding.AbstractMesh((2, 1), ("data", "fsdp"))
+    with pytest.raises(ValueError, match="split evenly"):
+        train.make_train_step(cfg, mesh)
+
+
 def test_make_mesh_sizes():
     n = jax.device_count()
     assert train.make_mesh().shape == {"data": n, "fsdp": 1}

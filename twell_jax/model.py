@@ -306,6 +306,17 @@ class Block(nnx.Module):
         return x + out.reshape(b, s, h), stats
 
 
+def _remat_policy(cfg: ModelConfig) -> Callable | None:
+    """Remat policy of a layer: keep the sparse op's small ELL residuals (training spec
+    §6.5) rather than recompute them; recompute everything on the other paths."""
+    if cfg.ffn_impl != "sparse":
+        return None
+    import pallas_kernels  # Lazy, as in `_ffn_twell`.
+
+    name = getattr(pallas_kernels, "RESIDUALS_NAME", None)
+    return None if name is None else jax.checkpoint_policies.save_only_these_names(name)
+
+
 class Transformer(nnx.Module):
     """The language model. Parameter tree (pure-dict view):
 
@@ -338,7 +349,7 @@ class Transformer(nnx.Module):
 
         if cfg.remat:
             # prevent_cse=False is safe (and faster) inside scan.
-            layer = jax.checkpoint(layer, prevent_cse=False)
+            layer = jax.checkpoint(layer, prevent_cse=False, policy=_remat_policy(cfg))
         x, stats = jax.lax.scan(layer, x, (layers, use_sparse))
         return self.final_norm(x), stats
 

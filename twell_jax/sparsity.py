@@ -5,6 +5,7 @@ Everything here is a pure function over arrays, usable inside `jax.jit`:
 - `l1_coef_at(step, cfg)` and `l1_penalty(...)`: the lambda-weighted term added to CE.
 - `update_tokens_since_fired`, `alive_fraction`: dead-neuron bookkeeping.
 - `reinit_dead_rows`: re-draw the gate rows of dead neurons.
+- `next_use_sparse`: the per-layer l0-cutoff switch between sparse kernels and dense.
 
 Conventions: L layers, N = d_ff, M tokens; FFN weights are stacked per layer as
 [L, N, H] under `params["blocks"]["ffn"]` (see `twell_jax.model`).
@@ -147,3 +148,24 @@ def reinit_dead_rows(
     ffn = {**params["blocks"]["ffn"], name: new_w}
     new_params = {**params, "blocks": {**params["blocks"], "ffn": ffn}}
     return new_params, jnp.where(dead, 0, tokens_since_fired)
+
+
+def next_use_sparse(
+    step: jax.Array, l0: jax.Array, use_sparse: jax.Array, cfg: SparsityConfig
+) -> jax.Array:
+    """The l0-cutoff switch (training spec §4): which layers run the sparse kernels next.
+
+    Every `sparse_recheck_every` steps (starting at step 0) a layer is switched to the
+    sparse kernels iff its l0 measured in this step is below `sparse_l0_cutoff`, and back
+    to dense otherwise; in between the switch holds.
+
+    Args:
+      step: optimizer step that measured `l0` (int32 scalar).
+      l0: [L] fp32 mean non-zeros per token of this step.
+      use_sparse: [L] bool, the current switch.
+      cfg: sparsity config.
+
+    Returns:
+      [L] bool.
+    """
+    return jnp.where(step % cfg.sparse_recheck_every == 0, l0 < cfg.sparse_l0_cutoff, use_sparse)

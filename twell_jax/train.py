@@ -251,11 +251,19 @@ def make_train_step(
       and with ffn_impl="sparse" the int32 overflow counters tail_rows, dense_fallback.
 
     Raises:
-      ValueError: ffn_impl="twell" (inference kernels have no gradient).
+      ValueError: ffn_impl="twell" (inference kernels have no gradient), or a
+        micro-batch that does not split evenly over the mesh.
     """
     if cfg.model.ffn_impl == "twell":
         raise ValueError("ModelConfig.ffn_impl='twell' is inference-only: train with "
                          "'dense' or 'sparse'")
+    micro_batch = cfg.batch_size // cfg.optim.grad_accum_steps
+    if micro_batch % mesh.size:
+        raise ValueError(
+            f"TrainConfig.batch_size={cfg.batch_size}: micro-batches of {micro_batch} "
+            f"sequences (grad_accum_steps={cfg.optim.grad_accum_steps}) must split evenly "
+            f"over the {mesh.size} devices of the mesh"
+        )
     graphdef = model_graphdef(cfg.model)
     optimizer = make_optimizer(cfg.optim)
     schedule = lr_schedule(cfg.optim)
@@ -279,6 +287,9 @@ def make_train_step(
             return grads_sum, (loss, *aux)
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+        # Accumulate in the parameter layout: one reduce-scatter per micro-batch, and the
+        # fp32 accumulator is sharded like the parameters.
+        zeros = jax.lax.with_sharding_constraint(zeros, param_shardings)
         micro = jax.tree.map(lambda x: _microbatches(x, n_micro), batch)
         grads, (loss, ce, l1_loss, stats) = jax.lax.scan(micro_step, zeros, micro)
         grads = jax.tree.map(lambda g: g / n_micro, grads)
@@ -306,9 +317,7 @@ def make_train_step(
             )
         use_sparse = state.use_sparse
         if cfg.model.ffn_impl == "sparse":
-            use_sparse = jnp.where(
-                state.step % sp.sparse_recheck_every == 0, l0 < sp.sparse_l0_cutoff, use_sparse
-            )
+            use_sparse = sparsity.next_use_sparse(state.step, l0, use_sparse, sp)
         new_state = TrainState(next_step, params, opt_state, tokens_since_fired, use_sparse)
         metrics = {
             "loss": loss.mean(),
