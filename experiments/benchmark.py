@@ -43,8 +43,8 @@ flags.DEFINE_multi_string(
     "tune_d2t_cfg", ["128,64,128,8,3", "128,64,64,8,3", "128,64,64,8,4", "128,64,32,8,3"],
     "D2T block_m,block_k,chunk,num_warps,num_stages to try in --mode=tune.")
 flags.DEFINE_multi_string(
-    "tune_t2d_cfg", ["1,4,1", "2,4,1", "4,4,1", "8,4,1", "4,8,1", "8,8,1", "16,8,1", "4,2,1"],
-    "T2D group,num_warps,num_stages to try in --mode=tune.")
+    "tune_t2d_cfg", ["4,4,1,1", "4,4,1,0", "2,4,1,1", "8,4,1,1", "4,2,1,1", "1,4,1,1"],
+    "T2D group,num_warps,num_stages,cache_hints to try in --mode=tune.")
 flags.DEFINE_list("train_nnz", ["10", "29", "50", "100"], "Densities of --mode=train.")
 flags.DEFINE_integer("train_tokens", 16384, "M of --mode=train (per-GPU micro-batch).")
 flags.DEFINE_integer("reps", 30, "Timed calls per measurement (median reported).")
@@ -146,8 +146,8 @@ def tune(m: int, h: int, n: int, c: int, reps: int, warmup: int) -> dict:
         print(d2t_rows[-1], flush=True)
     packed = jax.jit(lambda x, w: d2t_mod.d2t(x, w, compression=c))(x, wg)
     t2d_rows = []
-    for group, warps, stages in map(_ints, FLAGS.tune_t2d_cfg):
-        cfg = t2d_mod.T2DConfig(group, warps, stages)
+    for group, warps, stages, hints in map(_ints, FLAGS.tune_t2d_cfg):
+        cfg = t2d_mod.T2DConfig(group, warps, stages, bool(hints))
         try:
             f = jax.jit(lambda x, p, a, b, d, cfg=cfg: t2d_mod.t2d(x, p, (a, b, d),
                                                                   compression=c, cfg=cfg))

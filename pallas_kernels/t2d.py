@@ -47,6 +47,9 @@ class T2DConfig:
     group: int = 4
     num_warps: int = 4
     num_stages: int = 1
+    # Weight rows are re-read by every token, activations once: ask L2 to keep the
+    # weights (evict_last) and to drop the streamed rows first.
+    cache_hints: bool = True
 
 
 def h_chunk(h: int) -> int:
@@ -71,7 +74,7 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def _t2d_kernel(x_ref, packed_ref, *refs, gated, high_precision, slots, chunk, group):
+def _t2d_kernel(x_ref, packed_ref, *refs, gated, high_precision, slots, chunk, group, hints):
     """One token row.
 
     x_ref [1, H] bf16; packed_ref [1, N/C] uint32; weights [N, H] bf16 (gated: w_gate,
@@ -85,13 +88,16 @@ def _t2d_kernel(x_ref, packed_ref, *refs, gated, high_precision, slots, chunk, g
     h = x_ref.shape[1]
     n_tiles = packed_ref.shape[1] // slots
     cols = [pl.ds(c * chunk, chunk) for c in range(h // chunk)]
-    x = [x_ref[0, col].astype(jnp.float32) for col in cols]
+    keep, stream = ("evict_last", "evict_first") if hints else (None, None)
+    row = jnp.int32(0)  # an array index: the interpreter's load rejects a Python int here
+    x = [tr.load(x_ref.at[row, col], eviction_policy=stream).astype(jnp.float32) for col in cols]
     # Gathers index with arrays on both axes: the interpreter cannot mix them with slices.
     col_ids = [c * chunk + jnp.arange(chunk, dtype=jnp.int32)[None, :] for c in range(len(cols))]
 
     def gather(w_ref, j, ok, c):
         """Rows j [G] of w_ref, columns of chunk c: [G, chunk] fp32 (zeros where not ok)."""
-        rows = tr.load(w_ref.at[j[:, None], col_ids[c]], mask=ok[:, None], other=0.0)
+        rows = tr.load(w_ref.at[j[:, None], col_ids[c]], mask=ok[:, None], other=0.0,
+                       eviction_policy=keep)
         return rows.astype(jnp.float32)
 
     def round_bf16(v):
@@ -158,7 +164,7 @@ def _t2d_kernel(x_ref, packed_ref, *refs, gated, high_precision, slots, chunk, g
         acc,
     )
     for a, col in zip(acc, cols, strict=True):
-        out_ref[0, col] = a.astype(out_ref.dtype)
+        tr.store(out_ref.at[row, col], a.astype(out_ref.dtype), eviction_policy=stream)
 
 
 def t2d(
@@ -197,7 +203,9 @@ def t2d(
         gated=gated,
         high_precision=high_precision,
         slots=fmt.slots_per_tile(compression),
-        chunk=h_chunk(h), group=cfg.group,
+        chunk=h_chunk(h),
+        group=cfg.group,
+        hints=cfg.cache_hints,
     )
     row = lambda i: (i, 0)
     whole = lambda i: (0, 0)
