@@ -169,124 +169,161 @@ def _restore_or_init(cfg, mesh, ckpt, train_iter, opts) -> train.TrainState:
 def run(cfg: TrainConfig, opts: RunOptions) -> dict[str, Any]:
     """Trains (or resumes training) to `cfg.optim.total_steps`, or until SIGINT / SIGTERM.
 
+    The signal handlers are installed first, so a Ctrl-C while data loads or the step
+    compiles still ends with a checkpoint after the first step.
+
     Args:
       cfg: the resolved run config.
       opts: run directory, data directory, checkpoint retention, resume switch.
 
     Returns:
       Summary dict: `step` reached, `interrupted`, and the last train record's `ce`,
-      `l0_mean`, `sparsity_mean` and the last `val_ce` when they exist.
+      `l0_mean`, `sparsity_mean`, `alive_mean` and the last `val_ce` when they exist.
 
     Raises:
       ValueError: the corpus's vocabulary does not fit the model, the saved config
         differs from `cfg`, or checkpoints exist while `opts.resume` is off.
       FileNotFoundError: `opts.data_dir` is not a prepared corpus.
     """
-    workdir = Path(opts.workdir)
-    lead = jax.process_index() == 0
-    meta = data.load_meta(opts.data_dir)
-    _check_vocab(cfg, meta, opts.data_dir)
-    logging.info("data %s: %s", opts.data_dir, data.summary(meta))
-    if lead:
-        workdir.mkdir(parents=True, exist_ok=True)
-        (workdir / CONFIG_FILE).write_text(json.dumps(config_to_dict(cfg), indent=2) + "\n")
+    with _StopRequest() as stop:
+        logging.info("run %s: Ctrl-C / SIGTERM saves a checkpoint and exits", opts.workdir)
+        trainer = _Trainer(cfg, opts)
+        try:
+            return trainer.train(stop)
+        finally:
+            trainer.close()
 
-    mesh = train.make_mesh(*cfg.mesh_shape)
-    logging.info("mesh %s over %d %s device(s), %d process(es)", dict(mesh.shape),
-                 mesh.size, jax.default_backend(), jax.process_count())
-    sharding = train.batch_sharding(mesh)
-    data_cfg = data.DataConfig(
-        opts.data_dir, seq_len=cfg.model.seq_len, batch_size=cfg.batch_size, seed=cfg.seed
-    )
-    train_iter = data.make_train_iterator(data_cfg)
-    ckpt = checkpoint.Checkpointer(workdir / CHECKPOINT_DIR, max_to_keep=opts.max_to_keep)
-    state = _restore_or_init(cfg, mesh, ckpt, train_iter, opts)
-    train_step = train.make_train_step(cfg, mesh)
-    evaluate = _Evaluator(cfg, data_cfg, mesh, sharding)
 
-    step = int(state.step)
-    total = cfg.optim.total_steps
-    saved_step = step if ckpt.latest_step() == step else None
-    summary: dict[str, Any] = {"step": step, "interrupted": False}
-    writer = metrics.MetricsWriter(workdir, resume_step=step) if lead else None
+class _Trainer:
+    """One run's state and outputs; `train` is the loop, the other methods its steps."""
 
-    def save():
-        nonlocal saved_step
-        if saved_step != step:
-            ckpt.save(step, state, train_iter.get_state(), config_to_dict(cfg))
-            saved_step = step
-            logging.info("checkpoint step %d (async) -> %s", step, ckpt.directory)
+    def __init__(self, cfg: TrainConfig, opts: RunOptions):
+        self.cfg, self.opts = cfg, opts
+        self.workdir = Path(opts.workdir)
+        self.lead = jax.process_index() == 0
+        meta = data.load_meta(opts.data_dir)
+        _check_vocab(cfg, meta, opts.data_dir)
+        logging.info("data %s: %s", opts.data_dir, data.summary(meta))
+        if self.lead:
+            self.workdir.mkdir(parents=True, exist_ok=True)
+            config_json = json.dumps(config_to_dict(cfg), indent=2) + "\n"
+            (self.workdir / CONFIG_FILE).write_text(config_json)
 
-    def plot():
-        if lead:
-            metrics.plot_metrics(metrics.read_metrics(writer.path), workdir / metrics.PLOT_FILE,
-                                 opts.plot_title)
+        mesh = train.make_mesh(*cfg.mesh_shape)
+        logging.info("mesh %s over %d %s device(s), %d process(es)", dict(mesh.shape),
+                     mesh.size, jax.default_backend(), jax.process_count())
+        self.sharding = train.batch_sharding(mesh)
+        data_cfg = data.DataConfig(
+            opts.data_dir, seq_len=cfg.model.seq_len, batch_size=cfg.batch_size, seed=cfg.seed
+        )
+        self.train_iter = data.make_train_iterator(data_cfg)
+        self.ckpt = checkpoint.Checkpointer(
+            self.workdir / CHECKPOINT_DIR, max_to_keep=opts.max_to_keep
+        )
+        self.writer = None
+        try:
+            self.state = _restore_or_init(cfg, mesh, self.ckpt, self.train_iter, opts)
+        except BaseException:
+            self.ckpt.close()  # `run` never gets a trainer to close
+            raise
+        self.step = int(self.state.step)
+        self.saved_step = self.step if self.ckpt.latest_step() == self.step else None
+        self.plotted_step = None
+        if self.lead:
+            self.writer = metrics.MetricsWriter(self.workdir, resume_step=self.step)
+        self.train_step = train.make_train_step(cfg, mesh)
+        self.evaluate = _Evaluator(cfg, data_cfg, mesh, self.sharding)
+        self.summary: dict[str, Any] = {"step": self.step, "interrupted": False}
 
-    try:
-        with _StopRequest() as stop:
-            pending: list[dict[str, jax.Array]] = []
-            interval_start = time.perf_counter()
-            interval_steps = 0
-            compiled = False
-            while step < total:
-                batch = _global_batch(next(train_iter), sharding, cfg.batch_size)
-                state, step_metrics = train_step(state, batch)
-                step += 1
-                pending.append(step_metrics)
-                if not compiled:
-                    # The first step compiles; time it apart so tokens/s means throughput.
-                    jax.block_until_ready(step_metrics)
-                    compiled = True
-                    logging.info("step %d: compiled and ran in %.1f s", step,
-                                 time.perf_counter() - interval_start)
-                    interval_start = time.perf_counter()
-                else:
-                    interval_steps += 1
+    def train(self, stop: _StopRequest) -> dict[str, Any]:
+        """Runs the loop to the end, `stop_at` or a stop request; saves; returns the summary."""
+        cfg, total = self.cfg, self.cfg.optim.total_steps
+        pending: list[dict[str, jax.Array]] = []
+        interval_start, interval_steps, compiled = time.perf_counter(), 0, False
+        while self.step < total:
+            batch = _global_batch(next(self.train_iter), self.sharding, cfg.batch_size)
+            self.state, step_metrics = self.train_step(self.state, batch)
+            self.step += 1
+            pending.append(step_metrics)
+            if not compiled:
+                # The first step compiles; time it apart so that tokens/s is throughput.
+                jax.block_until_ready(step_metrics)
+                compiled = True
+                logging.info("step %d: compiled and ran in %.1f s", self.step,
+                             time.perf_counter() - interval_start)
+                interval_start = time.perf_counter()
+            else:
+                interval_steps += 1
 
-                log_now = step % cfg.log_every == 0 or step == total
-                if log_now:
-                    host = [train.host_metrics(m) for m in pending]  # waits for the device
-                    elapsed = time.perf_counter() - interval_start
-                    tps = (interval_steps * cfg.tokens_per_step / elapsed
-                           if interval_steps else None)
-                    record = metrics.reduce_interval(host, step, tps)
-                    logging.info("%s", metrics.format_train_line(record, total, cfg.model.d_ff))
-                    if lead:
-                        writer.write(record)
-                    summary.update(
-                        {k: record[k] for k in ("ce", "l0_mean", "sparsity_mean", "alive_mean")}
-                    )
-                    pending, interval_steps = [], 0
-                    interval_start = time.perf_counter()
+            log_now = self.step % cfg.log_every == 0 or self.step == total
+            if log_now:
+                elapsed = time.perf_counter() - interval_start
+                self._log(pending, interval_steps * cfg.tokens_per_step / elapsed
+                          if interval_steps else None)
+                pending, interval_steps = [], 0
+                interval_start = time.perf_counter()
+            if self.evaluate.enabled and (self.step % cfg.eval_every == 0 or self.step == total):
+                t0 = time.perf_counter()
+                self._eval()
+                interval_start += time.perf_counter() - t0  # not training time
+            if self.step % cfg.checkpoint_every == 0:
+                self._save()
+            if self.opts.stop_at and self.step >= self.opts.stop_at:
+                logging.info("stop_at=%d reached", self.opts.stop_at)
+                break
+            # Multi-host: agree on stopping at log steps only (it is a collective).
+            if (jax.process_count() == 1 or log_now) and stop.agreed():
+                logging.warning("stopped at step %d on request", self.step)
+                self.summary["interrupted"] = True
+                break
+        self._save()
+        self.ckpt.wait()
+        logging.info("done at step %d/%d; checkpoints %s", self.step, total,
+                     self.ckpt.all_steps())
+        self.summary["step"] = self.step
+        return self.summary
 
-                if evaluate.enabled and (step % cfg.eval_every == 0 or step == total):
-                    t0 = time.perf_counter()
-                    val_ce = evaluate(state.params)
-                    logging.info("step %6d  val ce %.4f  (%d batches, %.1f s)", step, val_ce,
-                                 cfg.eval_batches, time.perf_counter() - t0)
-                    if lead:
-                        writer.write({"step": step, "kind": "eval", "val_ce": val_ce})
-                    summary["val_ce"] = val_ce
-                    plot()
-                    interval_start += time.perf_counter() - t0  # not training time
+    def _log(self, pending: list[dict[str, jax.Array]], tokens_per_s: float | None) -> None:
+        """Reduces the interval's metrics (waiting for the device), prints and records them."""
+        host = [train.host_metrics(m) for m in pending]
+        record = metrics.reduce_interval(host, self.step, tokens_per_s)
+        line = metrics.format_train_line(record, self.cfg.optim.total_steps, self.cfg.model.d_ff)
+        logging.info("%s", line)
+        if self.writer:
+            self.writer.write(record)
+        self.summary.update(
+            {k: record[k] for k in ("ce", "l0_mean", "sparsity_mean", "alive_mean")}
+        )
 
-                if step % cfg.checkpoint_every == 0:
-                    save()
-                if opts.stop_at and step >= opts.stop_at:
-                    logging.info("stop_at=%d reached", opts.stop_at)
-                    break
-                # Multi-host: agree on stopping at log steps only (it is a collective).
-                if (jax.process_count() == 1 or log_now) and stop.agreed():
-                    logging.warning("stopped at step %d on request", step)
-                    summary["interrupted"] = True
-                    break
-        save()
-        ckpt.wait()
-        logging.info("done at step %d/%d; checkpoints %s", step, total, ckpt.all_steps())
-    finally:
-        ckpt.close()
-        if writer is not None:
-            writer.close()
-            plot()
-    summary["step"] = step
-    return summary
+    def _eval(self) -> None:
+        t0 = time.perf_counter()
+        val_ce = self.evaluate(self.state.params)
+        logging.info("step %6d  val ce %.4f  (%d batches, %.1f s)", self.step, val_ce,
+                     self.cfg.eval_batches, time.perf_counter() - t0)
+        if self.writer:
+            self.writer.write({"step": self.step, "kind": "eval", "val_ce": val_ce})
+        self.summary["val_ce"] = val_ce
+        self._plot()
+
+    def _save(self) -> None:
+        """Starts an async checkpoint of the current step unless it is already saved."""
+        if self.saved_step != self.step:
+            self.ckpt.save(self.step, self.state, self.train_iter.get_state(),
+                           config_to_dict(self.cfg))
+            self.saved_step = self.step
+            logging.info("checkpoint step %d (async) -> %s", self.step, self.ckpt.directory)
+
+    def _plot(self) -> None:
+        if self.writer and self.plotted_step != self.step:
+            records = metrics.read_metrics(self.writer.path)
+            if any(r["kind"] == "train" for r in records):
+                path = self.workdir / metrics.PLOT_FILE
+                metrics.plot_metrics(records, path, self.opts.plot_title)
+            self.plotted_step = self.step
+
+    def close(self) -> None:
+        """Waits for pending saves; final plot (also after an error: the history so far)."""
+        self.ckpt.close()
+        if self.writer:
+            self._plot()
+            self.writer.close()

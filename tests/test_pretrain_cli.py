@@ -1,0 +1,198 @@
+"""End-to-end `python -m experiments.pretrain` runs, resume, and the metrics helpers.
+
+Each CLI run is a subprocess on a tiny model (d_model 64, 2 layers, seq 32, batch 4)
+over a small synthetic corpus. The subprocesses share a persistent compilation cache,
+so only the first one pays for compiling the train and eval steps.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from twell_jax import data, metrics, tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+# A resumed run restores the exact state, and XLA on CPU is deterministic, so only
+# reassociation noise (none expected) may separate the two runs.
+RESUME_CE_RTOL = 1e-4
+TINY_FLAGS = (
+    "--preset=tiny",
+    "--set=model.d_model=64",
+    "--set=model.n_layers=2",
+    "--set=model.d_ff=256",
+    "--seq_len=32",
+    "--batch_size=4",
+    "--warmup_steps=1",
+    "--l1_coef=1e-3",
+    "--log_every=1",
+    "--eval_every=3",
+    "--eval_batches=2",
+    "--checkpoint_every=3",
+)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    """A byte-tokenized corpus of 120 short synthetic documents (both splits non-empty)."""
+    rng = np.random.default_rng(0)
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while",
+             "sparse", "neurons", "rarely", "fire"]
+    docs = [
+        data.Document(f"doc{i}.txt", " ".join(rng.choice(words, size=120)))
+        for i in range(120)
+    ]
+    out = tmp_path_factory.mktemp("corpus")
+    meta = data.prepare_corpus(
+        docs, out, tokenizer.load_tokenizer("byte"), source="synthetic", val_fraction=0.2
+    )
+    assert meta["splits"]["val"]["num_tokens"] > 2 * 4 * 33  # two val batches
+    return out
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("jax_cache")
+
+
+def _env(cache_dir: Path) -> dict[str, str]:
+    return {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "JAX_COMPILATION_CACHE_DIR": str(cache_dir),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    }
+
+
+def _cmd(workdir: Path, data_dir: Path, flags) -> list[str]:
+    return [sys.executable, "-m", "experiments.pretrain", *TINY_FLAGS,
+            f"--data_dir={data_dir}", f"--workdir={workdir}", *flags]
+
+
+def run_cli(workdir: Path, data_dir: Path, cache_dir: Path, *flags: str, check: bool = True):
+    """Runs the CLI to completion.
+
+    Returns:
+      Its combined output, failing the test on a non-zero exit; with check=False the
+      CompletedProcess.
+    """
+    proc = subprocess.run(_cmd(workdir, data_dir, flags), cwd=REPO, env=_env(cache_dir),
+                          capture_output=True, text=True, timeout=300)
+    if not check:
+        return proc
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stderr + proc.stdout
+
+
+def train_ce(workdir: Path) -> dict[int, float]:
+    records = metrics.read_metrics(workdir / metrics.METRICS_FILE)
+    return {r["step"]: r["ce"] for r in records if r["kind"] == "train"}
+
+
+def val_ce(workdir: Path) -> dict[int, float]:
+    records = metrics.read_metrics(workdir / metrics.METRICS_FILE)
+    return {r["step"]: r["val_ce"] for r in records if r["kind"] == "eval"}
+
+
+def checkpoint_steps(workdir: Path) -> list[int]:
+    return sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, data_dir, cache_dir) -> tuple[Path, str]:
+    """A finished 6-step run (its workdir and output); tests copy it before changing it."""
+    workdir = tmp_path_factory.mktemp("straight") / "run"
+    return workdir, run_cli(workdir, data_dir, cache_dir, "--steps=6")
+
+
+def test_run_writes_outputs(straight):
+    workdir, out = straight
+    assert "resolved config" in out
+    assert "sparsity" in out and "tok/s" in out
+    assert sorted(train_ce(workdir)) == [1, 2, 3, 4, 5, 6]
+    assert sorted(val_ce(workdir)) == [3, 6]
+    assert (workdir / metrics.PLOT_FILE).stat().st_size > 0
+    assert json.loads((workdir / "config.json").read_text())["optim"]["total_steps"] == 6
+    assert checkpoint_steps(workdir) == [3, 6]
+
+
+def test_more_steps_resume(tmp_path, straight, data_dir, cache_dir):
+    workdir = tmp_path / "run"
+    shutil.copytree(straight[0], workdir)
+    first = train_ce(workdir)
+    # More steps: continues from step 6 rather than restarting at 1.
+    out = run_cli(workdir, data_dir, cache_dir, "--steps=9")
+    assert "resumed from checkpoint step 6" in out
+    ce = train_ce(workdir)
+    assert sorted(ce) == list(range(1, 10))
+    assert all(ce[s] == first[s] for s in range(1, 7))  # history kept, not rewritten
+    assert checkpoint_steps(workdir) == [3, 6, 9]
+
+    # A different learning rate is not the same run: refused, naming the field.
+    proc = run_cli(workdir, data_dir, cache_dir, "--steps=12", "--lr=5e-4", check=False)
+    assert proc.returncode != 0 and "optim.lr" in proc.stderr
+
+
+def test_resume_matches_straight_run(tmp_path, straight, data_dir, cache_dir):
+    split = tmp_path / "split"
+    run_cli(split, data_dir, cache_dir, "--steps=6", "--stop_at=3")
+    assert checkpoint_steps(split) == [3]
+    assert sorted(train_ce(split)) == [1, 2, 3]
+    run_cli(split, data_dir, cache_dir, "--steps=6")
+    a, b = train_ce(straight[0]), train_ce(split)
+    assert sorted(a) == sorted(b) == list(range(1, 7))
+    np.testing.assert_allclose([b[s] for s in a], list(a.values()), rtol=RESUME_CE_RTOL)
+    np.testing.assert_allclose(val_ce(split)[6], val_ce(straight[0])[6], rtol=RESUME_CE_RTOL)
+
+
+def test_sigint_saves_and_exits(tmp_path, data_dir, cache_dir):
+    workdir = tmp_path / "run"
+    proc = subprocess.Popen(_cmd(workdir, data_dir, ["--steps=6"]), cwd=REPO,
+                            env=_env(cache_dir), stderr=subprocess.PIPE, text=True)
+    try:
+        # The handler is installed before this line is logged, i.e. before compiling.
+        for line in proc.stderr:
+            if "Ctrl-C / SIGTERM saves a checkpoint" in line:
+                proc.send_signal(signal.SIGINT)
+                break
+        _, rest = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, rest[-4000:]
+    assert "stopped at step" in rest
+    steps = checkpoint_steps(workdir)
+    assert len(steps) == 1 and 1 <= steps[0] < 6
+    assert max(train_ce(workdir)) == steps[0]
+
+
+def test_reduce_interval_and_writer_truncation(tmp_path):
+    steps = [
+        {"ce": 2.0, "lr": 1e-3, "l0": np.array([10.0, 20.0]), "sparsity": np.array([0.9, 0.8]),
+         "alive": np.array([1.0, 1.0]), "tail_rows": np.array([1, 0])},
+        {"ce": 4.0, "lr": 2e-3, "l0": np.array([30.0, 40.0]), "sparsity": np.array([0.7, 0.6]),
+         "alive": np.array([0.5, 1.0]), "tail_rows": np.array([2, 3])},
+    ]
+    record = metrics.reduce_interval(steps, step=2, tokens_per_s=100.0)
+    assert record["ce"] == 3.0 and record["lr"] == 2e-3  # mean; last value
+    assert record["l0"] == [20.0, 30.0] and record["l0_mean"] == 25.0
+    assert record["alive"] == [0.5, 1.0] and record["tail_rows"] == [3, 3]  # last; sum
+    json.dumps(record)
+
+    with metrics.MetricsWriter(tmp_path) as w:
+        for s in (1, 2, 3):
+            w.write({"step": s, "kind": "train", "ce": 1.0})
+    with (tmp_path / metrics.METRICS_FILE).open("a") as f:
+        f.write('{"step": 4, "kind": "tr')  # a crash mid-line
+    # Resuming from step 2 drops what a crashed run logged after its checkpoint.
+    with metrics.MetricsWriter(tmp_path, resume_step=2) as w:
+        w.write({"step": 3, "kind": "eval", "val_ce": 1.5})
+    assert [(r["step"], r["kind"]) for r in metrics.read_metrics(w.path)] == [
+        (1, "train"), (2, "train"), (3, "eval")
+    ]
