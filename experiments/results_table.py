@@ -1,0 +1,65 @@
+"""Renders the README's results tables from the JSON under results/.
+
+    python -m experiments.results_table results/kernel_h200.json [results/train_h200.json]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def kernel_tables(res: dict) -> str:
+    head = (
+        "| M | nnz/row | dense XLA gated | gate GEMM | D2T | GatedT2D | TwELL gated | speedup "
+        "| max rel err | dense non-gated | T2D | TwELL non-gated | speedup |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+    )
+    rows = [
+        f"| {c['M']} | {c['nnz_per_row']:.1f} | {c['dense_gated_ms']:.2f} ms "
+        f"({c['dense_gated_tflops']:.0f} TF/s) | {c['gate_gemm_ms']:.2f} | {c['d2t_ms']:.2f} "
+        f"({c['d2t_over_gemm']:.2f}x GEMM) | {c['gated_t2d_ms']:.2f} | "
+        f"{c['twell_gated_ms']:.2f} | **{c['speedup_gated']:.2f}x** | "
+        f"{c['gated_max_rel_err']:.1e} | {c['dense_mlp_ms']:.2f} | {c['t2d_ms']:.2f} | "
+        f"{c['twell_mlp_ms']:.2f} | {c['speedup_nongated']:.2f}x |"
+        for c in res["cases"]
+    ]
+    sweep = "\n\n| nnz/row (M=131072) | dense ms | TwELL ms | speedup | overflow tiles |\n"
+    sweep += "|---|---|---|---|---|\n"
+    sweep += "\n".join(
+        f"| {s['nnz_per_row']:.0f} ({100 * s['nnz_per_row'] / 5632:.1f}%) | "
+        f"{s['dense_gated_ms']:.2f} | {s['twell_gated_ms']:.2f} | {s['speedup_gated']:.2f}x | "
+        f"{s['overflow_tiles']} |"
+        for s in res.get("sweep", [])
+    )
+    return head + "\n".join(rows) + sweep
+
+
+def train_table(res: dict) -> str:
+    head = (
+        "| nnz/row | sparse fwd+bwd | dense fwd+bwd | speedup | peak MB sparse / dense "
+        "| grad rel err (dx, dWg, dWu, dWd) |\n|---|---|---|---|---|---|\n"
+    )
+    rows = []
+    for c in res["cases"]:
+        mem_s = c.get("sparse_memory", {}).get("temp_mb", float("nan"))
+        mem_d = c.get("dense_memory", {}).get("temp_mb", float("nan"))
+        errs = ", ".join(f"{v:.1e}" for v in c["grad_rel_err"].values())
+        rows.append(
+            f"| {c['l0']:.1f} | {c['sparse_ms']:.2f} ms | {c['dense_ms']:.2f} ms | "
+            f"**{c['speedup']:.2f}x** | {mem_s:.0f} / {mem_d:.0f} | {errs} |"
+        )
+    return head + "\n".join(rows)
+
+
+def main(paths: list[str]) -> None:
+    for path in paths:
+        with open(path) as f:
+            res = json.load(f)
+        print(f"`{res['command']}` ({res['device']}, jax {res['jax']}, {res['time']})\n")
+        print(kernel_tables(res) if res["mode"] == "kernel" else train_table(res))
+        print()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
