@@ -1,6 +1,7 @@
 """Model shapes, FFN implementations and config validation (twell_jax.model / .config)."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -24,10 +25,20 @@ def small_model(**overrides) -> C.ModelConfig:
     return C.model_preset("tiny", **{**base, **overrides})
 
 
-def make(cfg: C.ModelConfig, seed: int = 0):
-    """(graphdef, pure-dict params) of a fresh model."""
-    graphdef, state = nnx.split(M.Transformer(cfg, rngs=nnx.Rngs(seed)))
-    return graphdef, nnx.to_pure_dict(state)
+def init_params(cfg: C.ModelConfig, seed: int = 0):
+    """Pure-dict params of a fresh model (eager; the rbg PRNG compiles faster on CPU)."""
+    rngs = nnx.Rngs(params=jax.random.key(seed, impl="rbg"))
+    return nnx.to_pure_dict(nnx.state(M.Transformer(cfg, rngs=rngs)))
+
+
+@functools.cache
+def forward_fn(cfg: C.ModelConfig, body: bool = False):
+    """Jitted `model(tokens)` (or `model.body(tokens)`) of (params, tokens), one compile
+    per config for the whole module."""
+    graphdef = train.model_graphdef(cfg)
+    if body:
+        return jax.jit(lambda p, t: nnx.merge(graphdef, p).body(t))
+    return jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))
 
 
 def tokens(cfg: C.ModelConfig, batch: int = 2, seed: int = 0) -> jax.Array:
@@ -37,11 +48,11 @@ def tokens(cfg: C.ModelConfig, batch: int = 2, seed: int = 0) -> jax.Array:
 @pytest.mark.parametrize("variant", C.FFN_VARIANTS)
 def test_forward_shapes_and_stats(variant):
     cfg = small_model(ffn_variant=variant)
-    graphdef, params = make(cfg)
+    params = init_params(cfg)
     assert ("w_gate" in params["blocks"]["ffn"]) == (variant != "relu")
     for w in params["blocks"]["ffn"].values():
         assert w.shape == (cfg.n_layers, cfg.d_ff, cfg.d_model) and w.dtype == jnp.float32
-    logits, stats = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(params, tokens(cfg))
+    logits, stats = forward_fn(cfg)(params, tokens(cfg))
     assert logits.shape == (2, cfg.seq_len, cfg.vocab_size) and logits.dtype == jnp.float32
     assert stats["l1"].shape == (cfg.n_layers,) and stats["l1"].dtype == jnp.float32
     assert stats["l0"].shape == (cfg.n_layers,) and stats["l0"].dtype == jnp.float32
@@ -57,20 +68,19 @@ def test_forward_shapes_and_stats(variant):
 
 def test_body_and_causality():
     cfg = small_model()
-    graphdef, params = make(cfg)
+    params = init_params(cfg)
     t = tokens(cfg)
-    body = jax.jit(lambda p, t: nnx.merge(graphdef, p).body(t))(params, t)
+    body = forward_fn(cfg, body=True)(params, t)
     assert body.shape == (2, cfg.seq_len, cfg.d_model) and body.dtype == jnp.bfloat16
-    forward = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t)[0])
     changed = t.at[:, -1].set((t[:, -1] + 1) % cfg.vocab_size)
-    a, b = forward(params, t), forward(params, changed)
+    a, b = forward_fn(cfg)(params, t)[0], forward_fn(cfg)(params, changed)[0]
     np.testing.assert_array_equal(a[:, :-1], b[:, :-1])
     assert not np.allclose(a[:, -1], b[:, -1])
 
 
 def test_untied_head_has_its_own_matrix():
     cfg = small_model(tie_embeddings=False)
-    _, params = make(cfg)
+    params = init_params(cfg)
     assert params["lm_head"].shape == (cfg.vocab_size, cfg.d_model)
 
 
@@ -81,11 +91,10 @@ def test_attention_uses_xla_on_cpu():
 @pytest.mark.parametrize("variant", ["gated_relu", "relu"])
 def test_twell_matches_dense(variant):
     dense = small_model(ffn_variant=variant)
-    graphdef_dense, params = make(dense)
-    graphdef_twell = train.model_graphdef(dataclasses.replace(dense, ffn_impl="twell"))
+    params = init_params(dense)
     t = tokens(dense)
-    want, _ = jax.jit(lambda p: nnx.merge(graphdef_dense, p)(t))(params)
-    got, stats = jax.jit(lambda p: nnx.merge(graphdef_twell, p)(t))(params)
+    want, _ = forward_fn(dense)(params, t)
+    got, stats = forward_fn(dataclasses.replace(dense, ffn_impl="twell"))(params, t)
     rel = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
     assert rel < TWELL_LOGITS_RTOL
     assert stats["l0"].shape == stats["overflow_tiles"].shape == (dense.n_layers,)
@@ -99,13 +108,13 @@ def _dense_stand_in(x, w_gate, w_up, w_down):
 
 def test_sparse_switch_selects_layers(monkeypatch):
     monkeypatch.setattr(pallas_kernels, "sparse_gated_mlp_train", _dense_stand_in, raising=False)
-    cfg = small_model(ffn_impl="sparse", n_layers=2)
-    graphdef, params = make(cfg)
+    cfg = small_model(ffn_impl="sparse")
+    params = init_params(cfg)
+    graphdef = train.model_graphdef(cfg)
     t = tokens(cfg)
     run = jax.jit(lambda p, s: nnx.merge(graphdef, p).body(t, s))
     dense = run(params, jnp.array([False, False]))
-    graphdef_dense = train.model_graphdef(dataclasses.replace(cfg, ffn_impl="dense"))
-    want = jax.jit(lambda p: nnx.merge(graphdef_dense, p).body(t))(params)
+    want = forward_fn(small_model(), body=True)(params, t)
     np.testing.assert_array_equal(dense, want)
     # The stand-in doubles the FFN output, so any sparse layer changes the result.
     assert not np.allclose(run(params, jnp.array([False, True])), want)
@@ -122,7 +131,7 @@ def test_sparse_without_op_names_it(monkeypatch):
 def test_remat_wraps_each_layer():
     """Remat is JAX's job to get right; check that it is applied to the scanned layer."""
     cfg = small_model()
-    _, params = make(cfg)
+    params = init_params(cfg)
     t = tokens(cfg)
 
     def jaxpr(remat):
