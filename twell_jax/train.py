@@ -178,8 +178,18 @@ def _params_initializer(model_cfg: ModelConfig, mesh: Mesh) -> Callable:
 
 
 def train_state_shardings(cfg: TrainConfig, mesh: Mesh) -> TrainState:
-    """NamedSharding of every TrainState leaf (for jit and checkpoint restore)."""
-    return _tree_shardings(_abstract_state(cfg), mesh)
+    """NamedSharding of every TrainState leaf (for jit and checkpoint restore).
+
+    Parameters and optimizer state follow `param_spec`; the small bookkeeping arrays
+    (step, dead-neuron counters, sparse switch) are replicated.
+    """
+    abstract = _abstract_state(cfg)
+    replicated = NamedSharding(mesh, P())
+    return dataclasses.replace(
+        jax.tree.map(lambda _: replicated, abstract),
+        params=_tree_shardings(abstract.params, mesh),
+        opt_state=_tree_shardings(abstract.opt_state, mesh),
+    )
 
 
 def abstract_train_state(cfg: TrainConfig, mesh: Mesh) -> TrainState:
