@@ -87,7 +87,7 @@ class _StopRequest:
 
     def _handle(self, signum, frame):
         del frame
-        logging.warning("%s: stopping after this step and saving a checkpoint "
+        logging.warning("%s: stopping at the next step boundary and saving a checkpoint "
                         "(again to abort without saving)", signal.Signals(signum).name)
         self.requested = True
         self._restore()
@@ -257,12 +257,15 @@ class _Trainer:
 
             log_now = self.step % cfg.log_every == 0 or self.step == total
             if log_now:
+                # Dispatch is asynchronous: wait for the device before reading the clock.
+                jax.block_until_ready(pending[-1])
                 elapsed = time.perf_counter() - interval_start
                 self._log(pending, interval_steps * cfg.tokens_per_step / elapsed
                           if interval_steps else None)
                 pending, interval_steps = [], 0
                 interval_start = time.perf_counter()
             if self.evaluate.enabled and (self.step % cfg.eval_every == 0 or self.step == total):
+                jax.block_until_ready(self.state.step)  # pending train steps are train time
                 t0 = time.perf_counter()
                 self._eval()
                 interval_start += time.perf_counter() - t0  # not training time
@@ -284,7 +287,7 @@ class _Trainer:
         return self.summary
 
     def _log(self, pending: list[dict[str, jax.Array]], tokens_per_s: float | None) -> None:
-        """Reduces the interval's metrics (waiting for the device), prints and records them."""
+        """Reduces the interval's metrics, prints and records them."""
         host = [train.host_metrics(m) for m in pending]
         record = metrics.reduce_interval(host, self.step, tokens_per_s)
         line = metrics.format_train_line(record, self.cfg.optim.total_steps, self.cfg.model.d_ff)

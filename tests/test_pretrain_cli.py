@@ -172,6 +172,29 @@ def test_sigint_saves_and_exits(tmp_path, data_dir, cache_dir):
     assert max(train_ce(workdir)) == steps[0]
 
 
+FLAGFILES = sorted(p.stem for p in (REPO / "experiments" / "configs").glob("*.flags"))
+
+
+@pytest.mark.parametrize("name", FLAGFILES)
+def test_flagfile_resolves(name, monkeypatch):
+    """Every flagfile parses and yields a valid config (typos fail here, not on a GPU)."""
+    from absl import flags
+
+    from experiments import pretrain
+
+    monkeypatch.chdir(REPO)  # nested --flagfile paths are relative to the repo root
+    flags.FLAGS(["pretrain", f"--flagfile=experiments/configs/{name}.flags"])
+    try:
+        cfg = pretrain.resolve_config()
+    finally:
+        flags.FLAGS.unparse_flags()
+    if name in ("0.5b", "1b", "1.5b", "2b"):
+        assert cfg.tokens_per_step == 2**20 and cfg.sparsity.l1_coef == 2e-5
+        assert cfg.optim.total_steps == 30000 and cfg.model.remat
+    if name == "125m_dense":
+        assert cfg.sparsity.l1_coef == 0 and cfg.optim.total_steps == 1000
+
+
 def test_reduce_interval_and_writer_truncation(tmp_path):
     steps = [
         {"ce": 2.0, "lr": 1e-3, "l0": np.array([10.0, 20.0]), "sparsity": np.array([0.9, 0.8]),
