@@ -128,7 +128,9 @@ def build_csc(ell_count: jax.Array, cols: jax.Array, n: int) -> Csc:
     key = jnp.where(slot_mask(ell_count, width), cols, n).reshape(-1)
     ids = jnp.arange(m * width, dtype=jnp.int32)
     key_sorted, slots = lax.sort((key, ids), num_keys=1, is_stable=True)
-    offsets = jnp.searchsorted(key_sorted, jnp.arange(n + 1, dtype=jnp.int32), side="left")
+    # Unrolled binary search: ~log2(M W) fused gather steps, no device while loop.
+    queries = jnp.arange(n + 1, dtype=jnp.int32)
+    offsets = jnp.searchsorted(key_sorted, queries, side="left", method="scan_unrolled")
     offsets = offsets.astype(jnp.int32)
     neurons = jnp.arange(n, dtype=jnp.int32)
     _, order = lax.sort((offsets[:-1] - offsets[1:], neurons), num_keys=1, is_stable=True)
