@@ -8,6 +8,10 @@ ReLU boundary make max-relative errors meaningless in bf16).
 """
 
 import functools
+import os
+import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -298,6 +302,46 @@ def test_checkpoint_and_shard_map():
     ref_grads = jax.grad(_ref_loss, argnums=(0, 1, 2, 3))(*inputs)
     for g, gr in zip(grads, ref_grads, strict=True):
         assert rel_err(g, gr) < GRAD_RTOL
+
+
+_TWO_SHARDS = """
+import functools, jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+from tests.test_sparse_train import GRAD_RTOL, LAM, M, N, H, SMALL, _ref_loss, make_inputs, rel_err
+from pallas_kernels.sparse_train_op import SparseTrainConfig, sparse_gated_mlp_train
+
+assert len(jax.devices()) == 2
+inputs = make_inputs(13, M, H, N, 6, heavy=(3, 30), zero=(1,))
+cfg = SparseTrainConfig(impl="xla", **SMALL)
+mesh = Mesh(np.asarray(jax.devices()), ("data",))
+
+@functools.partial(jax.shard_map, mesh=mesh, in_specs=(P("data"), P(), P(), P()),
+                   out_specs=(P("data"), P()), check_vma=False)
+def sharded(x, wg, wu, wd):
+    out, stats = sparse_gated_mlp_train(x, wg, wu, wd, config=cfg)
+    return out, jax.lax.pmean(stats["l1"], "data")
+
+def loss(x, wg, wu, wd, proj):
+    out, l1 = sharded(x, wg, wu, wd)
+    return jnp.sum(out.astype(jnp.float32) * proj) + LAM * l1
+
+grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(*inputs)
+ref_grads = jax.grad(_ref_loss, argnums=(0, 1, 2, 3))(*inputs)
+errs = [rel_err(g, gr) for g, gr in zip(grads, ref_grads)]
+assert max(errs) < GRAD_RTOL, errs
+print("OK")
+"""
+
+
+def test_shard_map_two_shards_sums_weight_grads():
+    """Token-sharded over 2 (host) devices: weight grads are summed over the shards."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    res = subprocess.run(
+        [sys.executable, "-c", _TWO_SHARDS], cwd=root, env=env, capture_output=True, text=True
+    )
+    assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-3000:]
 
 
 def test_remat_policy_keeps_residuals():
