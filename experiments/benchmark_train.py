@@ -15,6 +15,7 @@ earlier path already reached a higher peak).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import statistics
@@ -104,9 +105,13 @@ def _memory(fn, args) -> dict:
     return out
 
 
-def _breakdown(x, wg, wu, wd, g, config: SparseTrainConfig, samples: int) -> dict:
-    """Milliseconds of each stage of the sparse step, jitted one at a time."""
-    kw = dict(impl=config.impl, chunk=config.chunk, block_h=config.block_h)
+def _breakdown(
+    x, wg, wu, wd, g, config: SparseTrainConfig, samples: int, only: tuple[str, ...] = ()
+) -> dict:
+    """Milliseconds of each stage of the sparse step (or of `only`), jitted one at a time."""
+    kw = dict(
+        impl=config.impl, chunk=config.chunk, block_h=config.block_h, num_warps=config.num_warps
+    )
     width = config.ell_width
     n = wg.shape[0]
     gate = jax.jit(lambda x, w: jnp.einsum("mh,nh->mn", x, w, preferred_element_type=x.dtype))
@@ -117,6 +122,7 @@ def _breakdown(x, wg, wu, wd, g, config: SparseTrainConfig, samples: int) -> dic
             impl=config.impl,
             block_rows=config.compact_block_rows,
             block_cols=config.compact_block_cols,
+            num_warps=config.num_warps,
         )
     )
     p = gate(x, wg)
@@ -148,7 +154,39 @@ def _breakdown(x, wg, wu, wd, g, config: SparseTrainConfig, samples: int) -> dic
         "csc_index": (index, (cnt, ell.cols, dr, du, t)),
         "spmm_csc": (csc, (offsets, *entries, x, g)),
     }
-    return {k: _median_ms(f, a, samples) for k, (f, a) in stages.items()}
+    return {k: _median_ms(f, a, samples) for k, (f, a) in stages.items() if not only or k in only}
+
+
+ROW_STAGES = ("sddmm_up", "spmm_down", "sddmm_grad", "spmm_dx")
+
+
+def tune(
+    M: int = 16384,
+    H: int = 2048,
+    N: int = 5632,
+    nnz: float = 29,
+    samples: int = 10,
+    row_options=((16, 512, 4), (16, 256, 4), (32, 256, 4), (8, 512, 2), (16, 1024, 8)),
+    csc_options=((32, 256), (16, 512), (64, 128), (32, 128)),
+) -> list[dict]:
+    """Times the gather kernels over block options; one JSON-able dict per option.
+
+    Args:
+        row_options: (chunk, block_h, num_warps) for the four row kernels.
+        csc_options: (csc_chunk, csc_block_h) for the transposed SpMM.
+    """
+    args = synthetic_inputs(0, M, H, N, nnz)
+    base = SparseTrainConfig()
+    out = []
+    for chunk, block_h, warps in row_options:
+        cfg = dataclasses.replace(base, chunk=chunk, block_h=block_h, num_warps=warps)
+        ms = _breakdown(*args, config=cfg, samples=samples, only=ROW_STAGES)
+        out.append({"chunk": chunk, "block_h": block_h, "num_warps": warps, **ms})
+    for chunk, block_h in csc_options:
+        cfg = dataclasses.replace(base, csc_chunk=chunk, csc_block_h=block_h)
+        ms = _breakdown(*args, config=cfg, samples=samples, only=("spmm_csc",))
+        out.append({"csc_chunk": chunk, "csc_block_h": block_h, **ms})
+    return out
 
 
 def run(
@@ -228,7 +266,12 @@ def main():
     parser.add_argument("--nnz", default="10,29,50,100")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--heavy_rows", type=int, default=0)
+    parser.add_argument("--tune", action="store_true", help="sweep the kernels' block options")
     a = parser.parse_args()
+    if a.tune:
+        for rec in tune(M=a.m):
+            print(json.dumps(rec))
+        return
     nnz = tuple(float(v) for v in a.nnz.split(","))
     for rec in run(M=a.m, nnz_targets=nnz, reps=a.reps, heavy_rows=a.heavy_rows):
         print(json.dumps(rec))
