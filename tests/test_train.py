@@ -27,10 +27,19 @@ UPDATE_RTOL = 1e-3
 
 def small_config(**optim) -> C.TrainConfig:
     """fp32 tiny model; L1 warmup and dead-row re-init on so that the step exercises them."""
-    model = C.model_preset("tiny", vocab_size=256, d_model=64, d_ff=256, n_layers=2,
-                           n_heads=4, seq_len=16, dtype="float32")
+    model = C.model_preset(
+        "tiny",
+        vocab_size=256,
+        d_model=64,
+        d_ff=256,
+        n_layers=2,
+        n_heads=4,
+        seq_len=16,
+        dtype="float32",
+    )
     return C.TrainConfig(
-        model=model, batch_size=16,
+        model=model,
+        batch_size=16,
         optim=C.OptimConfig(lr=3e-3, warmup_steps=0, total_steps=100, **optim),
         sparsity=C.SparsityConfig(l1_warmup_steps=5, reinit_dead_every=5),
     )
@@ -58,10 +67,14 @@ def one_step(cfg: C.TrainConfig, mesh, batch):
 
 def update_rel_diff(before, after_a, after_b) -> float:
     """||u_a - u_b|| / ||u_b|| over all parameters, u = after - before."""
-    diff = sum(float(np.sum((a - b) ** 2))
-               for a, b in zip(jax.tree.leaves(after_a), jax.tree.leaves(after_b), strict=True))
-    norm = sum(float(np.sum((b - p) ** 2))
-               for p, b in zip(jax.tree.leaves(before), jax.tree.leaves(after_b), strict=True))
+    diff = sum(
+        float(np.sum((a - b) ** 2))
+        for a, b in zip(jax.tree.leaves(after_a), jax.tree.leaves(after_b), strict=True)
+    )
+    norm = sum(
+        float(np.sum((b - p) ** 2))
+        for p, b in zip(jax.tree.leaves(before), jax.tree.leaves(after_b), strict=True)
+    )
     return (diff / norm) ** 0.5
 
 
@@ -78,10 +91,14 @@ def test_param_spec_rule():
 
 
 def test_weight_decay_skips_norms():
-    params = {"embed": 0, "final_norm": {"scale": 0},
-              "blocks": {"attn_norm": {"scale": 0}, "ffn": {"w_up": 0}}}
+    params = {
+        "embed": 0,
+        "final_norm": {"scale": 0},
+        "blocks": {"attn_norm": {"scale": 0}, "ffn": {"w_up": 0}},
+    }
     assert train._decay_mask(params) == {
-        "embed": True, "final_norm": {"scale": False},
+        "embed": True,
+        "final_norm": {"scale": False},
         "blocks": {"attn_norm": {"scale": False}, "ffn": {"w_up": True}},
     }
 
@@ -167,19 +184,26 @@ _SHARDED = textwrap.dedent("""
 def test_sharded_step_matches_single_device(tmp_path):
     """On 8 simulated CPUs, mesh (data=2, fsdp=4): the train step equals the 1-device
     step, and the per-shard kernel FFN path equals the dense one."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu")
+    env = dict(
+        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu"
+    )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     params_file = tmp_path / "params8.npz"
-    proc = subprocess.run([sys.executable, "-c", _SHARDED, str(params_file)], env=env,
-                          cwd=root, capture_output=True, text=True, timeout=300, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", _SHARDED, str(params_file)],
+        env=env,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
 
     # The 1-device reference runs here (its compile is shared with the accumulation test).
     cfg = small_config(grad_accum_steps=2)
-    before1, after1, m1 = one_step(cfg, train.make_mesh(1, 1, jax.devices()[:1]),
-                                   random_batch(cfg))
+    before1, after1, m1 = one_step(cfg, train.make_mesh(1, 1, jax.devices()[:1]), random_batch(cfg))
     with np.load(params_file) as f:
         leaves8 = [f[f"arr_{i}"] for i in range(len(f.files))]
     n = len(jax.tree.leaves(before1))
@@ -224,15 +248,15 @@ def test_loss_decreases_and_metrics():
 
 
 def test_twell_cannot_train():
-    cfg = C.with_overrides(small_config(),
-                           {"model.ffn_impl": "twell", "model.dtype": "bfloat16"})
+    cfg = C.with_overrides(small_config(), {"model.ffn_impl": "twell", "model.dtype": "bfloat16"})
     with pytest.raises(ValueError, match="inference-only"):
         train.make_train_step(cfg, train.make_mesh())
 
 
 def test_micro_batch_must_split_over_devices():
-    cfg = C.TrainConfig(model=small_config().model, batch_size=6,
-                        optim=C.OptimConfig(grad_accum_steps=2))
+    cfg = C.TrainConfig(
+        model=small_config().model, batch_size=6, optim=C.OptimConfig(grad_accum_steps=2)
+    )
     # The check runs before the mesh's devices are used: an abstract 2-device mesh will do.
     mesh = jax.sharding.AbstractMesh((2, 1), ("data", "fsdp"))
     with pytest.raises(ValueError, match="split evenly"):

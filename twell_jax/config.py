@@ -28,15 +28,15 @@ L1_TARGETS = ("activations", "weights")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-def _check(ok: bool, cls: str, field: str, value: Any, why: str) -> None:
+def _require(obj: Any, field: str, ok: bool, why: str) -> None:
+    """Raises ValueError naming `obj`'s class, the field and its value unless `ok`."""
     if not ok:
-        raise ValueError(f"{cls}.{field}={value!r}: {why}")
+        raise ValueError(f"{type(obj).__name__}.{field}={getattr(obj, field)!r}: {why}")
 
 
-def _check_positive(obj: Any, *names: str) -> None:
-    for name in names:
-        value = getattr(obj, name)
-        _check(value > 0, type(obj).__name__, name, value, "must be > 0")
+def _require_positive(obj: Any, *fields: str) -> None:
+    for field in fields:
+        _require(obj, field, getattr(obj, field) > 0, "must be > 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,37 +82,59 @@ class ModelConfig:
     remat: bool = False
 
     def __post_init__(self):
-        name = "ModelConfig"
-        _check_positive(self, "vocab_size", "d_model", "d_ff", "n_layers", "n_heads", "seq_len")
-        _check_positive(self, "rope_theta", "norm_eps", "init_std")
-        _check(self.ffn_variant in FFN_VARIANTS, name, "ffn_variant", self.ffn_variant,
-               f"must be one of {FFN_VARIANTS}")
-        _check(self.ffn_impl in FFN_IMPLS, name, "ffn_impl", self.ffn_impl,
-               f"must be one of {FFN_IMPLS}")
-        _check(self.d_model % self.n_heads == 0, name, "d_model", self.d_model,
-               f"must be divisible by n_heads={self.n_heads}")
-        _check(self.head_dim % 2 == 0, name, "n_heads", self.n_heads,
-               f"head_dim={self.head_dim} must be even for RoPE")
-        _check(self.dtype in DTYPES, name, "dtype", self.dtype, f"must be one of {DTYPES}")
-        _check(self.param_dtype in DTYPES, name, "param_dtype", self.param_dtype,
-               f"must be one of {DTYPES}")
-        _check(self.twell_compression in (2, 4, 8), name, "twell_compression",
-               self.twell_compression, "must be 2, 4 or 8")
+        _require_positive(self, "vocab_size", "d_model", "d_ff", "n_layers", "n_heads", "seq_len")
+        _require_positive(self, "rope_theta", "norm_eps", "init_std")
+        _require(
+            self, "ffn_variant", self.ffn_variant in FFN_VARIANTS, f"must be one of {FFN_VARIANTS}"
+        )
+        _require(self, "ffn_impl", self.ffn_impl in FFN_IMPLS, f"must be one of {FFN_IMPLS}")
+        _require(
+            self,
+            "d_model",
+            self.d_model % self.n_heads == 0,
+            f"must be divisible by n_heads={self.n_heads}",
+        )
+        _require(
+            self,
+            "n_heads",
+            self.head_dim % 2 == 0,
+            f"head_dim={self.head_dim} must be even for RoPE",
+        )
+        _require(self, "dtype", self.dtype in DTYPES, f"must be one of {DTYPES}")
+        _require(self, "param_dtype", self.param_dtype in DTYPES, f"must be one of {DTYPES}")
+        _require(
+            self, "twell_compression", self.twell_compression in (2, 4, 8), "must be 2, 4 or 8"
+        )
         if self.ffn_impl != "dense":
-            _check(self.d_ff % TILE == 0, name, "d_ff", self.d_ff,
-                   f"must be a multiple of {TILE} when ffn_impl={self.ffn_impl!r}")
-            _check(self.ffn_variant != "gated_silu", name, "ffn_impl", self.ffn_impl,
-                   "needs a ReLU FFN (ffn_variant 'gated_relu' or 'relu'), not 'gated_silu'")
-            _check(self.dtype == "bfloat16", name, "dtype", self.dtype,
-                   f"ffn_impl={self.ffn_impl!r} kernels compute in 'bfloat16'")
+            kernels = f"with ffn_impl={self.ffn_impl!r}"
+            _require(self, "d_ff", self.d_ff % TILE == 0, f"must be a multiple of {TILE} {kernels}")
+            _require(
+                self,
+                "ffn_impl",
+                self.ffn_variant != "gated_silu",
+                "needs a ReLU FFN (ffn_variant 'gated_relu' or 'relu'), not 'gated_silu'",
+            )
+            _require(self, "dtype", self.dtype == "bfloat16", f"must be 'bfloat16' {kernels}")
         if self.ffn_impl == "twell":
-            _check(self.d_ff <= MAX_TWELL_D_FF, name, "d_ff", self.d_ff,
-                   f"TwELL stores 16-bit columns: at most {MAX_TWELL_D_FF}")
-            _check(self.d_model % 64 == 0, name, "d_model", self.d_model,
-                   "must be a multiple of 64 for the TwELL kernels")
+            _require(
+                self,
+                "d_ff",
+                self.d_ff <= MAX_TWELL_D_FF,
+                f"TwELL stores 16-bit columns: at most {MAX_TWELL_D_FF}",
+            )
+            _require(
+                self,
+                "d_model",
+                self.d_model % 64 == 0,
+                "must be a multiple of 64 for the TwELL kernels",
+            )
         if self.ffn_impl == "sparse":
-            _check(self.ffn_variant == "gated_relu", name, "ffn_impl", self.ffn_impl,
-                   "the sparse training kernels implement ffn_variant='gated_relu' only")
+            _require(
+                self,
+                "ffn_impl",
+                self.ffn_variant == "gated_relu",
+                "the sparse training kernels implement ffn_variant='gated_relu' only",
+            )
 
     @property
     def head_dim(self) -> int:
@@ -159,17 +181,17 @@ class SparsityConfig:
     sparse_recheck_every: int = 20
 
     def __post_init__(self):
-        name = "SparsityConfig"
-        _check(self.l1_coef >= 0, name, "l1_coef", self.l1_coef, "must be >= 0")
-        _check(self.l1_warmup_steps >= 0, name, "l1_warmup_steps", self.l1_warmup_steps,
-               "must be >= 0")
-        _check(self.l1_target in L1_TARGETS, name, "l1_target", self.l1_target,
-               f"must be one of {L1_TARGETS}")
-        _check(self.tokens_until_dead is None or self.tokens_until_dead > 0, name,
-               "tokens_until_dead", self.tokens_until_dead, "must be None or > 0")
-        _check(self.reinit_dead_every >= 0, name, "reinit_dead_every", self.reinit_dead_every,
-               "must be >= 0")
-        _check_positive(self, "sparse_recheck_every")
+        _require(self, "l1_coef", self.l1_coef >= 0, "must be >= 0")
+        _require(self, "l1_warmup_steps", self.l1_warmup_steps >= 0, "must be >= 0")
+        _require(self, "l1_target", self.l1_target in L1_TARGETS, f"must be one of {L1_TARGETS}")
+        _require(
+            self,
+            "tokens_until_dead",
+            self.tokens_until_dead is None or self.tokens_until_dead > 0,
+            "must be None or > 0",
+        )
+        _require(self, "reinit_dead_every", self.reinit_dead_every >= 0, "must be >= 0")
+        _require_positive(self, "sparse_recheck_every")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,14 +219,21 @@ class OptimConfig:
     grad_accum_steps: int = 1
 
     def __post_init__(self):
-        name = "OptimConfig"
         object.__setattr__(self, "betas", tuple(self.betas))
-        _check_positive(self, "lr", "eps", "clip_norm", "total_steps", "grad_accum_steps")
-        _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), name, "betas",
-               self.betas, "must be two values in [0, 1)")
-        _check(self.weight_decay >= 0, name, "weight_decay", self.weight_decay, "must be >= 0")
-        _check(0 <= self.warmup_steps < self.total_steps, name, "warmup_steps",
-               self.warmup_steps, f"must be in [0, total_steps={self.total_steps})")
+        _require_positive(self, "lr", "eps", "clip_norm", "total_steps", "grad_accum_steps")
+        _require(
+            self,
+            "betas",
+            len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+            "must be two values in [0, 1)",
+        )
+        _require(self, "weight_decay", self.weight_decay >= 0, "must be >= 0")
+        _require(
+            self,
+            "warmup_steps",
+            0 <= self.warmup_steps < self.total_steps,
+            f"must be in [0, total_steps={self.total_steps})",
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,17 +260,24 @@ class TrainConfig:
     checkpoint_every: int = 500
 
     def __post_init__(self):
-        name = "TrainConfig"
         object.__setattr__(self, "mesh_shape", tuple(self.mesh_shape))
-        _check_positive(self, "batch_size", "log_every", "eval_every", "eval_batches",
-                        "checkpoint_every")
-        _check(self.batch_size % self.optim.grad_accum_steps == 0, name, "batch_size",
-               self.batch_size,
-               f"must be divisible by optim.grad_accum_steps={self.optim.grad_accum_steps}")
-        _check(len(self.mesh_shape) == 2
-               and all(s == -1 or s > 0 for s in self.mesh_shape)
-               and self.mesh_shape.count(-1) <= 1, name, "mesh_shape", self.mesh_shape,
-               "must be (data, fsdp) sizes > 0, at most one of them -1")
+        _require_positive(
+            self, "batch_size", "log_every", "eval_every", "eval_batches", "checkpoint_every"
+        )
+        accum = self.optim.grad_accum_steps
+        _require(
+            self,
+            "batch_size",
+            self.batch_size % accum == 0,
+            f"must be divisible by optim.grad_accum_steps={accum}",
+        )
+        sizes = self.mesh_shape
+        _require(
+            self,
+            "mesh_shape",
+            len(sizes) == 2 and all(s == -1 or s > 0 for s in sizes) and sizes.count(-1) <= 1,
+            "must be (data, fsdp) sizes > 0, at most one of them -1",
+        )
 
     @property
     def tokens_per_step(self) -> int:
@@ -258,8 +294,7 @@ _MODEL_PRESETS = {
     # CPU default: trains a few hundred steps in minutes on 2 cores, byte-level vocab.
     "tiny": dict(vocab_size=512, d_model=128, d_ff=512, n_layers=4, n_heads=4, seq_len=128),
     # Single-GPU experiment; d_ff = 8/3 * 768, a multiple of 256.
-    "125m": dict(vocab_size=49152, d_model=768, d_ff=2048, n_layers=12, n_heads=12,
-                 seq_len=1024),
+    "125m": dict(vocab_size=49152, d_model=768, d_ff=2048, n_layers=12, n_heads=12, seq_len=1024),
     # Paper sizes (twell.md §6).
     "0.5b": dict(_PAPER, n_layers=8),
     "1b": dict(_PAPER, n_layers=18),
@@ -287,17 +322,21 @@ def train_preset(name: str) -> TrainConfig:
     """
     model = model_preset(name)
     if name == "tiny":
-        return TrainConfig(model=model, batch_size=16,
-                           optim=OptimConfig(warmup_steps=20, total_steps=300))
+        return TrainConfig(
+            model=model, batch_size=16, optim=OptimConfig(warmup_steps=20, total_steps=300)
+        )
     if name == "125m":
         # 128 x 1024 tokens per step in 2 micro-batches: fp32 logits of 64 x 1024 x 49152
         # (13 GB) fit next to the activations on one H200.
-        return TrainConfig(model=model, batch_size=128,
-                           optim=OptimConfig(warmup_steps=200, total_steps=5000,
-                                             grad_accum_steps=2))
+        return TrainConfig(
+            model=model,
+            batch_size=128,
+            optim=OptimConfig(warmup_steps=200, total_steps=5000, grad_accum_steps=2),
+        )
     # Paper: 1M tokens per step as 8 micro-batches of 8 sequences per GPU on 8 GPUs.
-    return TrainConfig(model=model, batch_size=512, mesh_shape=(1, -1),
-                       optim=OptimConfig(grad_accum_steps=8))
+    return TrainConfig(
+        model=model, batch_size=512, mesh_shape=(1, -1), optim=OptimConfig(grad_accum_steps=8)
+    )
 
 
 def config_to_dict(cfg: Any) -> dict[str, Any]:

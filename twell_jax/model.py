@@ -119,7 +119,10 @@ class Attention(nnx.Module):
         q = apply_rope(proj(self.wq), cos, sin)
         k = apply_rope(proj(self.wk), cos, sin)
         o = jax.nn.dot_product_attention(
-            q, k, proj(self.wv), is_causal=True,
+            q,
+            k,
+            proj(self.wv),
+            is_causal=True,
             implementation=attention_implementation(self.dtype, q.shape[-1]),
         )
         return jnp.einsum("bsnd,ndh->bsh", o, self.wo[...].astype(self.dtype))
@@ -151,9 +154,7 @@ def _ffn_dense(x: jax.Array, w: dict[str, jax.Array], variant: str) -> tuple[jax
     return out.astype(x.dtype), hidden_stats(h)
 
 
-def _ffn_twell(
-    x: jax.Array, w: dict[str, jax.Array], compression: int
-) -> tuple[jax.Array, Stats]:
+def _ffn_twell(x: jax.Array, w: dict[str, jax.Array], compression: int) -> tuple[jax.Array, Stats]:
     """TwELL inference kernels (no sparse gradient). x [M, H] bf16 -> [M, H] bf16.
 
     Stats: `l0` fp32 (positive gate entries per token, an upper bound on the non-zeros
@@ -246,9 +247,7 @@ def _per_batch_shard(fn: Callable) -> Callable:
         out, stats = fn(x, w)
         return out, {k: _STAT_REDUCTIONS[k](v, BATCH_AXES) for k, v in stats.items()}
 
-    return jax.shard_map(
-        per_shard, in_specs=(P(BATCH_AXES), P()), out_specs=(P(BATCH_AXES), P())
-    )
+    return jax.shard_map(per_shard, in_specs=(P(BATCH_AXES), P()), out_specs=(P(BATCH_AXES), P()))
 
 
 class FeedForward(nnx.Module):
@@ -281,9 +280,7 @@ class FeedForward(nnx.Module):
             twell = lambda x, w: _ffn_twell(x, w, cfg.twell_compression)
             return _per_batch_shard(twell)(x, w)
         if cfg.ffn_impl == "sparse":
-            return jax.lax.cond(
-                use_sparse, _per_batch_shard(_ffn_sparse), _ffn_dense_counted, x, w
-            )
+            return jax.lax.cond(use_sparse, _per_batch_shard(_ffn_sparse), _ffn_dense_counted, x, w)
         return _ffn_dense(x, w, cfg.ffn_variant)
 
 
@@ -320,9 +317,9 @@ def _remat_policy(cfg: ModelConfig) -> Callable | None:
 class Transformer(nnx.Module):
     """The language model. Parameter tree (pure-dict view):
 
-        embed [V, H], lm_head [V, H] (untied only), final_norm.scale [H],
-        blocks.{attn_norm,ffn_norm}.scale [L, H], blocks.attn.{wq,wk,wv} [L, H, nH, D],
-        blocks.attn.wo [L, nH, D, H], blocks.ffn.{w_gate,w_up,w_down} [L, N, H].
+    embed [V, H], lm_head [V, H] (untied only), final_norm.scale [H],
+    blocks.{attn_norm,ffn_norm}.scale [L, H], blocks.attn.{wq,wk,wv} [L, H, nH, D],
+    blocks.attn.wo [L, nH, D, H], blocks.ffn.{w_gate,w_up,w_down} [L, N, H].
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):

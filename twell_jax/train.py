@@ -132,8 +132,14 @@ def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
     b1, b2 = cfg.betas
     return optax.chain(
         optax.clip_by_global_norm(cfg.clip_norm),
-        optax.adamw(lr_schedule(cfg), b1=b1, b2=b2, eps=cfg.eps,
-                    weight_decay=cfg.weight_decay, mask=_decay_mask),
+        optax.adamw(
+            lr_schedule(cfg),
+            b1=b1,
+            b2=b2,
+            eps=cfg.eps,
+            weight_decay=cfg.weight_decay,
+            mask=_decay_mask,
+        ),
     )
 
 
@@ -196,7 +202,8 @@ def abstract_train_state(cfg: TrainConfig, mesh: Mesh) -> TrainState:
     """TrainState of `jax.ShapeDtypeStruct`s with shardings: an Orbax restore target."""
     return jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-        _abstract_state(cfg), train_state_shardings(cfg, mesh),
+        _abstract_state(cfg),
+        train_state_shardings(cfg, mesh),
     )
 
 
@@ -265,8 +272,9 @@ def make_train_step(
         micro-batch that does not split evenly over the mesh.
     """
     if cfg.model.ffn_impl == "twell":
-        raise ValueError("ModelConfig.ffn_impl='twell' is inference-only: train with "
-                         "'dense' or 'sparse'")
+        raise ValueError(
+            "ModelConfig.ffn_impl='twell' is inference-only: train with 'dense' or 'sparse'"
+        )
     micro_batch = cfg.batch_size // cfg.optim.grad_accum_steps
     if micro_batch % mesh.size:
         raise ValueError(
@@ -319,11 +327,15 @@ def make_train_step(
             params, tokens_since_fired = jax.lax.cond(
                 next_step % sp.reinit_dead_every == 0,
                 lambda p, t: sparsity.reinit_dead_rows(
-                    p, t, jax.random.fold_in(jax.random.key(cfg.seed), next_step),
-                    cfg.model, cfg.tokens_until_dead,
+                    p,
+                    t,
+                    jax.random.fold_in(jax.random.key(cfg.seed), next_step),
+                    cfg.model,
+                    cfg.tokens_until_dead,
                 ),
                 lambda p, t: (p, t),
-                params, tokens_since_fired,
+                params,
+                tokens_since_fired,
             )
         use_sparse = state.use_sparse
         if cfg.model.ffn_impl == "sparse":
