@@ -127,10 +127,13 @@ def sparse_train_supported(m: int, h: int, n: int, config: SparseTrainConfig) ->
 
 
 def _dense_block(x, wg, wu, wd):
-    """Dense gated MLP as the reference computes it: (out [C, H], sum |h|)."""
+    """Dense gated MLP as the reference computes it: (out [C, H], sum |h|).
+
+    bf16-output GEMMs (fp32 accumulation inside), so the backward also runs bf16 GEMMs.
+    """
     hid = gated_hidden(x, wg, wu)
-    out = jnp.einsum("mn,nh->mh", hid, wd, preferred_element_type=_F32).astype(x.dtype)
-    return out, jnp.sum(jnp.abs(hid.astype(_F32)))
+    out = jnp.einsum("mn,nh->mh", hid, wd)
+    return out.astype(x.dtype), jnp.sum(jnp.abs(hid.astype(_F32)))
 
 
 def _gather_rows(a, rows):
