@@ -40,7 +40,7 @@ flags.DEFINE_integer("d_model", 2048, "H.")
 flags.DEFINE_integer("d_ff", 5632, "N.")
 flags.DEFINE_integer("compression", 8, "TwELL compression C.")
 flags.DEFINE_multi_string(
-    "tune_d2t_cfg", ["128,64,128,8,3", "128,64,64,8,3", "128,64,64,8,4", "128,64,32,8,3"],
+    "tune_d2t_cfg", ["128,64,128,8,3", "128,64,64,8,3", "128,64,128,8,4", "64,64,128,8,3"],
     "D2T block_m,block_k,chunk,num_warps,num_stages to try in --mode=tune.")
 flags.DEFINE_multi_string(
     "tune_t2d_cfg", ["4,4,1,1", "4,4,1,0", "2,4,1,1", "8,4,1,1", "4,2,1,1", "1,4,1,1"],
