@@ -128,9 +128,13 @@ class Attention(nnx.Module):
         return jnp.einsum("bsnd,ndh->bsh", o, self.wo[...].astype(self.dtype))
 
 
+# GEMMs below return the inputs' dtype (XLA accumulates in fp32 inside and rounds once):
+# asking for fp32 outputs would make the backward pass run fp32 GEMMs.
+
+
 def _proj(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [M, H] @ w [N, H]^T -> [M, N] fp32."""
-    return jnp.einsum("mh,nh->mn", x, w, preferred_element_type=jnp.float32)
+    """x [M, H] @ w [N, H]^T -> [M, N] in x.dtype."""
+    return jnp.einsum("mh,nh->mn", x, w)
 
 
 def _ffn_dense(x: jax.Array, w: dict[str, jax.Array], variant: str) -> tuple[jax.Array, Stats]:
@@ -146,12 +150,11 @@ def _ffn_dense(x: jax.Array, w: dict[str, jax.Array], variant: str) -> tuple[jax
     """
     up = _proj(x, w["w_up"])
     if variant == "relu":
-        h = jax.nn.relu(up).astype(x.dtype)
+        h = jax.nn.relu(up)
     else:
         act = jax.nn.relu if variant == "gated_relu" else jax.nn.silu
-        h = act(_proj(x, w["w_gate"])).astype(x.dtype) * up.astype(x.dtype)
-    out = jnp.einsum("mn,nh->mh", h, w["w_down"], preferred_element_type=jnp.float32)
-    return out.astype(x.dtype), hidden_stats(h)
+        h = act(_proj(x, w["w_gate"])) * up
+    return jnp.einsum("mn,nh->mh", h, w["w_down"]), hidden_stats(h)
 
 
 def _ffn_twell(x: jax.Array, w: dict[str, jax.Array], compression: int) -> tuple[jax.Array, Stats]:
@@ -381,7 +384,6 @@ class Transformer(nnx.Module):
         """
         x, stats = self._body(tokens, use_sparse)
         head = self.embed if self.cfg.tie_embeddings else self.lm_head
-        logits = jnp.einsum(
-            "bsh,vh->bsv", x, head[...].astype(x.dtype), preferred_element_type=jnp.float32
-        )
-        return logits, stats
+        # bf16 GEMM (see `_proj`), upcast for the softmax, as HF Llama does.
+        logits = jnp.einsum("bsh,vh->bsv", x, head[...].astype(x.dtype))
+        return logits.astype(jnp.float32), stats
