@@ -1,7 +1,7 @@
 """Llama-style transformer with an activation-sparse FFN, in Flax NNX (twell.md §6).
 
     tokens -> embed -> [x + Attn(RMSNorm(x)); x + FFN(RMSNorm(x))] x L -> RMSNorm
-           -> tied LM head -> logits, per-layer FFN stats
+           -> LM head (tied by default) -> logits, per-layer FFN stats
 
 Parameters are fp32 masters cast to the compute dtype (bf16) at use; no biases; every
 matrix is drawn from N(0, init_std). The L blocks are created with `nnx.vmap`, so every
@@ -16,6 +16,14 @@ FFN implementations (`ModelConfig.ffn_impl`):
   no sparse gradient); statistics are l0 and TwELL overflow counters only.
 - "sparse": `pallas_kernels.sparse_gated_mlp_train` on layers whose `use_sparse` flag is
   set, the dense path on the others (the l0-cutoff switch, training spec §6.5).
+
+Multi-device: trace the model under `jax.set_mesh(mesh)` with a ("data", "fsdp") mesh
+(`twell_jax.train` does); activations are then kept split over the batch and the
+Pallas kernels run per batch shard in `shard_map`. Without a mesh in context the model
+is single-device code.
+
+    graphdef = twell_jax.train.model_graphdef(cfg)    # or nnx.split(Transformer(...))
+    logits, stats = nnx.merge(graphdef, params)(tokens)
 """
 
 from __future__ import annotations
