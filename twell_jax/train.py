@@ -311,7 +311,7 @@ def make_train_step(
         micro = jax.tree.map(lambda x: _microbatches(x, n_micro), batch)
         grads, (loss, ce, l1_loss, stats) = jax.lax.scan(micro_step, zeros, micro)
         grads = jax.tree.map(lambda g: g / n_micro, grads)
-        # Reduce-scatter gradients into the parameter layout before the update.
+        # The optimizer update then runs on the shards, like the parameters it updates.
         grads = jax.lax.with_sharding_constraint(grads, param_shardings)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
