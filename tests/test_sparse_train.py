@@ -241,8 +241,9 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas"])
-@pytest.mark.parametrize("case", list(CASES))
+# The jnp twin runs the same orchestration; one case (plus the l1_coef and two-shard
+# tests below) covers it, keeping CPU time for the Pallas cases.
+@pytest.mark.parametrize("impl, case", [("xla", "tail")] + [("pallas", case) for case in CASES])
 def test_op_grads_match_dense_reference(impl, case):
     nnz, heavy, zero, cap, fallback = CASES[case]
     inputs = make_inputs(10, M, H, N, nnz, heavy=heavy, zero=zero)
