@@ -112,7 +112,11 @@ def _breakdown(
 ) -> dict:
     """Milliseconds of each stage of the sparse step (or of `only`), jitted one at a time."""
     kw = dict(
-        impl=config.impl, chunk=config.chunk, block_h=config.block_h, num_warps=config.num_warps
+        impl=config.impl,
+        chunk=config.chunk,
+        block_h=config.block_h,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     width = config.ell_width
     n = wg.shape[0]
@@ -168,8 +172,8 @@ def tune(
     N: int = 5632,
     nnz: float = 29,
     samples: int = 10,
-    row_options=((16, 512, 4), (16, 256, 4), (32, 256, 4), (8, 512, 2), (16, 1024, 8)),
-    csc_options=((32, 256), (16, 512), (64, 128), (32, 128)),
+    row_options=((4, 2048, 4), (2, 2048, 4), (8, 1024, 4), (16, 512, 4), (4, 2048, 8)),
+    csc_options=((8, 512), (4, 1024), (16, 256), (4, 2048), (32, 256)),
 ) -> list[dict]:
     """Times the gather kernels over block options; one JSON-able dict per option.
 

@@ -48,6 +48,11 @@ def _grid_iota(n: int) -> jax.Array:
     return lax.broadcasted_iota(_I32, (n,), 0)
 
 
+def _check_blocks(name: str, h: int, block_h: int, chunk: int) -> None:
+    if h % block_h or not (_is_pow2(block_h) and _is_pow2(chunk)):
+        raise ValueError(f"{name}: block_h={block_h} must be a power of two dividing H={h}")
+
+
 # --------------------------------------------------------------------------------------
 # Compaction: dense gate -> ELL.
 # --------------------------------------------------------------------------------------
@@ -157,25 +162,38 @@ def compact_rows(
 # --------------------------------------------------------------------------------------
 
 
-def _row_slots(count_ref, row, c, chunk):
-    """Slot ids of chunk c of a row, their validity mask and the row's count."""
+def _row_slots(count, c, chunk):
+    """Slot ids of chunk c of a row and their validity mask."""
     slots = c * chunk + _grid_iota(chunk)
-    return slots, slots < count_ref[row]
+    return slots, slots < count
 
 
-def _gather_dot(x_ref, w_ref, row, cols, ok, *, h, chunk, block_h):
-    """fp32 [chunk]: x[row] . w[cols[s]] for each slot (masked slots give 0)."""
+def _load_row(ref, row, h, block_h):
+    """Row `row` of ref [M, H] as fp32 pieces of block_h columns, loaded once per program
+    and kept in registers (the row is read by this program only: streamed)."""
+    return [
+        _triton.load(
+            ref.at[row, k * block_h + _grid_iota(block_h)], eviction_policy=_STREAM
+        ).astype(_F32)
+        for k in range(h // block_h)
+    ]
 
-    def step(k, acc):
-        d = k * block_h + _grid_iota(block_h)
-        xv = _triton.load(x_ref.at[row, d]).astype(_F32)
-        cols_d = jnp.broadcast_to(cols[:, None], (chunk, block_h))
-        d_c = jnp.broadcast_to(d[None, :], (chunk, block_h))
-        w = _triton.load(w_ref.at[cols_d, d_c], mask=ok[:, None], other=0, eviction_policy=_KEEP)
-        w = w.astype(_F32)
-        return acc + jnp.sum(w * xv[None, :], axis=1)
 
-    return lax.fori_loop(0, h // block_h, step, jnp.zeros((chunk,), _F32))
+def _gather(w_ref, cols, ok, k, *, chunk, block_h):
+    """fp32 [chunk, block_h]: piece k of the weight rows cols (0 where not ok)."""
+    cols_d = jnp.broadcast_to(cols[:, None], (chunk, block_h))
+    d_c = jnp.broadcast_to((k * block_h + _grid_iota(block_h))[None, :], (chunk, block_h))
+    w = _triton.load(w_ref.at[cols_d, d_c], mask=ok[:, None], other=0, eviction_policy=_KEEP)
+    return w.astype(_F32)
+
+
+def _gather_dot(x_pieces, w_ref, cols, ok, *, chunk, block_h):
+    """fp32 [chunk]: x . w[cols[s]] for each slot (masked slots give 0)."""
+    acc = jnp.zeros((chunk,), _F32)
+    for k, xv in enumerate(x_pieces):
+        w = _gather(w_ref, cols, ok, k, chunk=chunk, block_h=block_h)
+        acc = acc + jnp.sum(w * xv[None, :], axis=1)
+    return acc
 
 
 def _zero_unused(refs, row, count, width):
@@ -192,11 +210,12 @@ def _sddmm_up_kernel(
     """One program per token row: R and T at its ELL slots, and sum |T|."""
     row = pl.program_id(0)
     count = count_ref[row]
+    x = _load_row(x_ref, row, h, block_h)
 
     def body(c, l1):
-        slots, ok = _row_slots(count_ref, row, c, chunk)
+        slots, ok = _row_slots(count, c, chunk)
         cols = _triton.load(cols_ref.at[row, slots], mask=ok, other=0)
-        r = _gather_dot(x_ref, w_ref, row, cols, ok, h=h, chunk=chunk, block_h=block_h)
+        r = _gather_dot(x, w_ref, cols, ok, chunk=chunk, block_h=block_h)
         r = r.astype(r_ref.dtype)
         p = _triton.load(p_ref.at[row, slots], mask=ok, other=0)
         t = (p.astype(_F32) * r.astype(_F32)).astype(t_ref.dtype)
@@ -225,9 +244,10 @@ def sddmm_up(
     p_vals: jax.Array,
     *,
     impl: str = "pallas",
-    chunk: int = 16,
-    block_h: int = 512,
+    chunk: int = 4,
+    block_h: int = 2048,
     num_warps: int = 4,
+    num_stages: int = 1,
     interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Forward SDDMM on the ELL pattern.
@@ -245,6 +265,7 @@ def sddmm_up(
         return _sddmm_up_xla(x, w_up, ell_count, cols, p_vals)
     m, h = x.shape
     width = cols.shape[1]
+    _check_blocks("sddmm_up", h, block_h, chunk)
     kernel = functools.partial(_sddmm_up_kernel, h=h, width=width, chunk=chunk, block_h=block_h)
     return _triton.pallas_call(
         kernel,
@@ -254,7 +275,7 @@ def sddmm_up(
             jax.ShapeDtypeStruct((m,), _F32),
         ),
         grid=(m,),
-        compiler_params=_triton.compiler_params(num_warps=num_warps, num_stages=2),
+        compiler_params=_triton.compiler_params(num_warps=num_warps, num_stages=num_stages),
         interpret=_triton.resolve_interpret(interpret),
         name="twell_sddmm_up",
     )(ell_count, cols, p_vals, x, w_up)
@@ -272,8 +293,10 @@ def _spmm_rows_kernel(count_ref, cols_ref, *refs, n_terms, chunk, block_h):
     d = hb * block_h + _grid_iota(block_h)
     d_c = jnp.broadcast_to(d[None, :], (chunk, block_h))
 
+    count = count_ref[row]
+
     def body(c, acc):
-        slots, ok = _row_slots(count_ref, row, c, chunk)
+        slots, ok = _row_slots(count, c, chunk)
         cols = _triton.load(cols_ref.at[row, slots], mask=ok, other=0)
         cols_d = jnp.broadcast_to(cols[:, None], (chunk, block_h))
         for v_ref, w_ref in zip(val_refs, w_refs, strict=True):
@@ -284,9 +307,8 @@ def _spmm_rows_kernel(count_ref, cols_ref, *refs, n_terms, chunk, block_h):
             acc = acc + jnp.sum(v[:, None] * w, axis=0)
         return acc
 
-    count = count_ref[row]
     acc = lax.fori_loop(0, (count + chunk - 1) // chunk, body, jnp.zeros((block_h,), _F32))
-    _triton.store(out_ref.at[row, d], acc.astype(out_ref.dtype))
+    _triton.store(out_ref.at[row, d], acc.astype(out_ref.dtype), eviction_policy=_STREAM)
 
 
 def _spmm_rows_xla(terms, ell_count, cols, out_dtype):
@@ -305,9 +327,10 @@ def spmm_rows(
     *,
     out_dtype=jnp.bfloat16,
     impl: str = "pallas",
-    chunk: int = 16,
-    block_h: int = 512,
+    chunk: int = 4,
+    block_h: int = 2048,
     num_warps: int = 4,
+    num_stages: int = 1,
     interpret: bool | None = None,
 ) -> jax.Array:
     """Row-wise sparse x dense: out = sum over terms of V W (V on the ELL pattern).
@@ -326,6 +349,7 @@ def spmm_rows(
         return _spmm_rows_xla(terms, ell_count, cols, out_dtype)
     m = cols.shape[0]
     h = terms[0][1].shape[1]
+    _check_blocks("spmm_rows", h, block_h, chunk)
     kernel = functools.partial(_spmm_rows_kernel, n_terms=len(terms), chunk=chunk, block_h=block_h)
     vals = [v for v, _ in terms]
     ws = [w for _, w in terms]
@@ -333,7 +357,7 @@ def spmm_rows(
         kernel,
         out_shape=jax.ShapeDtypeStruct((m, h), out_dtype),
         grid=(m, h // block_h),
-        compiler_params=_triton.compiler_params(num_warps=num_warps, num_stages=2),
+        compiler_params=_triton.compiler_params(num_warps=num_warps, num_stages=num_stages),
         interpret=_triton.resolve_interpret(interpret),
         name=f"twell_spmm_rows_{len(terms)}",
     )(ell_count, cols, *vals, *ws)
@@ -352,11 +376,12 @@ def _sddmm_grad_kernel(
     row = pl.program_id(0)
     count = count_ref[row]
     scale = scale_ref[0]
+    g = _load_row(g_ref, row, h, block_h)
 
     def body(c, carry):
-        slots, ok = _row_slots(count_ref, row, c, chunk)
+        slots, ok = _row_slots(count, c, chunk)
         cols = _triton.load(cols_ref.at[row, slots], mask=ok, other=0)
-        dt = _gather_dot(g_ref, w_ref, row, cols, ok, h=h, chunk=chunk, block_h=block_h)
+        dt = _gather_dot(g, w_ref, cols, ok, chunk=chunk, block_h=block_h)
         t = _triton.load(t_ref.at[row, slots], mask=ok, other=0).astype(_F32)
         dt = dt + scale * jnp.sign(t)
         p = _triton.load(p_ref.at[row, slots], mask=ok, other=0).astype(_F32)
@@ -389,9 +414,10 @@ def sddmm_grad(
     l1_scale: jax.Array,
     *,
     impl: str = "pallas",
-    chunk: int = 16,
-    block_h: int = 512,
+    chunk: int = 4,
+    block_h: int = 2048,
     num_warps: int = 4,
+    num_stages: int = 1,
     interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Backward SDDMM fused with the L1 shift and both elementwise products.
@@ -408,6 +434,7 @@ def sddmm_grad(
         return _sddmm_grad_xla(g_out, w_down, ell_count, cols, p_vals, r_vals, t_vals, l1_scale)
     m, h = g_out.shape
     width = cols.shape[1]
+    _check_blocks("sddmm_grad", h, block_h, chunk)
     kernel = functools.partial(_sddmm_grad_kernel, h=h, width=width, chunk=chunk, block_h=block_h)
     return _triton.pallas_call(
         kernel,
@@ -416,7 +443,7 @@ def sddmm_grad(
             jax.ShapeDtypeStruct((m, width), g_out.dtype),
         ),
         grid=(m,),
-        compiler_params=_triton.compiler_params(num_warps=num_warps, num_stages=2),
+        compiler_params=_triton.compiler_params(num_warps=num_warps, num_stages=num_stages),
         interpret=_triton.resolve_interpret(interpret),
         name="twell_sddmm_grad",
     )(ell_count, cols, p_vals, r_vals, t_vals, g_out, w_down, l1_scale)
@@ -489,9 +516,10 @@ def spmm_csc(
     g_out: jax.Array,
     *,
     impl: str = "pallas",
-    chunk: int = 32,
-    block_h: int = 256,
+    chunk: int = 8,
+    block_h: int = 512,
     num_warps: int = 4,
+    num_stages: int = 1,
     interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Weight gradients of the ELL part from the neuron-sorted entries.
@@ -509,13 +537,14 @@ def spmm_csc(
         return _spmm_csc_xla(offsets, tok, dr_s, du_s, t_s, x, g_out)
     n = offsets.shape[0] - 1
     h = x.shape[1]
+    _check_blocks("spmm_csc", h, block_h, chunk)
     kernel = functools.partial(_spmm_csc_kernel, chunk=chunk, block_h=block_h)
     out = jax.ShapeDtypeStruct((n, h), x.dtype)
     return _triton.pallas_call(
         kernel,
         out_shape=(out, out, out),
         grid=(n, h // block_h),
-        compiler_params=_triton.compiler_params(num_warps=num_warps, num_stages=2),
+        compiler_params=_triton.compiler_params(num_warps=num_warps, num_stages=num_stages),
         interpret=_triton.resolve_interpret(interpret),
         name="twell_spmm_csc",
     )(order, offsets, tok, dr_s, du_s, t_s, x, g_out)

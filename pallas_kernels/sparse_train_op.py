@@ -57,7 +57,10 @@ class SparseTrainConfig:
             dividing H).
         csc_chunk, csc_block_h: the same for the transposed (per-neuron) SpMM; smaller
             H blocks spread very active neurons over more programs.
-        num_warps: Triton warps of the gather kernels.
+        num_warps, num_stages: Triton launch parameters of the gather kernels.
+
+    The row kernels' defaults follow the GatedT2D kernel tuned on the H200 (one row per
+    program, 4 whole 4 KB weight rows per step, 4 warps, 1 stage).
     """
 
     ell_width: int = 128
@@ -65,11 +68,12 @@ class SparseTrainConfig:
     impl: str = "pallas"
     compact_block_rows: int = 32
     compact_block_cols: int = 128
-    chunk: int = 16
-    block_h: int = 512
-    csc_chunk: int = 32
-    csc_block_h: int = 256
+    chunk: int = 4
+    block_h: int = 2048
+    csc_chunk: int = 8
+    csc_block_h: int = 512
     num_warps: int = 4
+    num_stages: int = 1
 
     def __post_init__(self):
         caps = self.tail_capacities
@@ -174,6 +178,7 @@ def _kernel_kwargs(static: _Static) -> dict:
         chunk=c.chunk,
         block_h=c.block_h,
         num_warps=c.num_warps,
+        num_stages=c.num_stages,
         interpret=static.interpret,
     )
 
