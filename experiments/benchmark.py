@@ -9,6 +9,8 @@ density sweep of the whole gated MLP (--sweep_nnz) for the crossover.
 tune: block-size sweep of D2T and launch sweep of GatedT2D at the largest M.
 train: the hybrid sparse training op's value_and_grad against dense XLA
 (experiments/benchmark_train.py), at M=--train_tokens.
+model: model-body forward throughput, twell against dense FFNs, on synthetic-sparsity
+weights (experiments/benchmark_model.py).
 """
 
 from __future__ import annotations
@@ -23,14 +25,18 @@ import jax.numpy as jnp
 from absl import app, flags, logging
 
 from experiments import bench_util as bu
-from experiments import benchmark_train
+from experiments import benchmark_model, benchmark_train
 from pallas_kernels import d2t as d2t_mod
 from pallas_kernels import ops, reference
 from pallas_kernels import t2d as t2d_mod
 from pallas_kernels import twell_format as fmt
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("mode", "kernel", ["kernel", "tune", "train"], "What to measure.")
+flags.DEFINE_enum("mode", "kernel", ["kernel", "tune", "train", "model"], "What to measure.")
+flags.DEFINE_list("model_presets", ["1.5b", "2b"], "Presets of --mode=model.")
+flags.DEFINE_float("model_nnz", 29.0, "Positive gate entries per token of --mode=model.")
+flags.DEFINE_integer("model_batch", 64, "Sequences per forward of --mode=model.")
+flags.DEFINE_integer("model_seq", 2048, "Sequence length of --mode=model.")
 flags.DEFINE_string("out", "", "JSON output path (default: print only).")
 flags.DEFINE_list("tokens", ["16384", "131072"], "Token counts M.")
 flags.DEFINE_list("nnz", ["29", "56", "115"], "Target non-zeros per row of the synthetic gate.")
@@ -187,6 +193,11 @@ def main(argv):
         result["cases"] = benchmark_train.run(
             M=FLAGS.train_tokens, H=h, N=n, nnz_targets=tuple(float(v) for v in FLAGS.train_nnz),
             reps=FLAGS.reps,
+        )
+    elif FLAGS.mode == "model":
+        result["cases"] = benchmark_model.run(
+            presets=tuple(FLAGS.model_presets), nnz=FLAGS.model_nnz, batch=FLAGS.model_batch,
+            seq=FLAGS.model_seq, reps=FLAGS.reps,
         )
     else:
         result["tune"] = tune(max(tokens), *args)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the GPU test suite, then the benchmarks.
-#   bash experiments/gpu_check.sh [tests|kernel|tune|train|all]...
+#   bash experiments/gpu_check.sh [tests|kernel|train|model|tune|all]...
 # Results (JSON and logs) go to $OUT when set (the device tool), else results/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,6 +23,8 @@ for what in "${@:-all}"; do
                   || status=1 ;;&
     train|all) python3 -m experiments.benchmark --mode=train --out="$OUT/train_h200.json" \
                  || status=1 ;;&
+    model) python3 -m experiments.benchmark --mode=model --reps=10 --out="$OUT/model_h200.json" \
+             || status=1 ;;
     tune) python3 -m experiments.benchmark --mode=tune --out="$OUT/tune_h200.json" || status=1 ;;
   esac
 done
