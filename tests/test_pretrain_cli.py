@@ -118,6 +118,10 @@ def test_run_writes_outputs(straight):
     assert "sparsity" in out and "tok/s" in out
     assert sorted(train_ce(workdir)) == [1, 2, 3, 4, 5, 6]
     assert sorted(val_ce(workdir)) == [3, 6]
+    last = metrics.read_metrics(workdir / metrics.METRICS_FILE)[-2]  # step 6, before eval
+    assert {"loss", "ce", "l1_loss", "l0_mean", "sparsity_mean", "alive_mean", "lr",
+            "tokens_per_s"} <= last.keys()
+    assert len(last["l0"]) == 2 and 0 < last["l0_mean"] < 256
     assert (workdir / metrics.PLOT_FILE).stat().st_size > 0
     assert json.loads((workdir / "config.json").read_text())["optim"]["total_steps"] == 6
     assert checkpoint_steps(workdir) == [3, 6]
