@@ -58,6 +58,8 @@ class SparseTrainConfig:
         csc_chunk, csc_block_h: the same for the transposed (per-neuron) SpMM; smaller
             H blocks spread very active neurons over more programs.
         num_warps, num_stages: Triton launch parameters of the gather kernels.
+        fuse_rows: one kernel per pass for the row products (forward SDDMM + SpMM,
+            backward SDDMM + dx SpMM) instead of two.
 
     The row kernels' defaults follow the GatedT2D kernel tuned on the H200 (one row per
     program, 4 whole 4 KB weight rows per step, 4 warps, 1 stage).
@@ -74,6 +76,7 @@ class SparseTrainConfig:
     csc_block_h: int = 512
     num_warps: int = 4
     num_stages: int = 1
+    fuse_rows: bool = True
 
     def __post_init__(self):
         caps = self.tail_capacities
@@ -206,10 +209,16 @@ def _forward(static: _Static, x, wg, wu, wd):
     fallback = plan.bucket == len(caps)
 
     def sparse(_):
-        with jax.named_scope("twell_sddmm_up"):
-            r, t, l1_rows = st.sddmm_up(x, wu, ell_count, ell.cols, ell.vals, **kw)
-        with jax.named_scope("twell_spmm_down"):
-            out = st.spmm_rows(((t, wd),), ell_count, ell.cols, out_dtype=x.dtype, **kw)
+        if cfg.fuse_rows:
+            with jax.named_scope("twell_gated_rows_fwd"):
+                r, t, l1_rows, out = st.gated_rows_fwd(
+                    x, wu, wd, ell_count, ell.cols, ell.vals, **kw
+                )
+        else:
+            with jax.named_scope("twell_sddmm_up"):
+                r, t, l1_rows = st.sddmm_up(x, wu, ell_count, ell.cols, ell.vals, **kw)
+            with jax.named_scope("twell_spmm_down"):
+                out = st.spmm_rows(((t, wd),), ell_count, ell.cols, out_dtype=x.dtype, **kw)
         with jax.named_scope("twell_tail_fwd"):
             branches = [functools.partial(_tail_fwd, cap) for cap in caps]
             out_t, l1_t = lax.switch(plan.bucket, branches, x, plan.rows, wg, wu, wd)
@@ -262,10 +271,15 @@ def _op_bwd(static, res, cts):
     kw = _kernel_kwargs(static)
 
     def sparse(_):
-        with jax.named_scope("twell_sddmm_grad"):
-            dr, du = st.sddmm_grad(g_out, wd, ell_count, cols, p_vals, r, t, scale[None], **kw)
-        with jax.named_scope("twell_spmm_dx"):
-            dx = st.spmm_rows(((dr, wu), (du, wg)), ell_count, cols, out_dtype=x.dtype, **kw)
+        ell = (ell_count, cols, p_vals, r, t, scale[None])
+        if cfg.fuse_rows:
+            with jax.named_scope("twell_gated_rows_bwd"):
+                dr, du, dx = st.gated_rows_bwd(g_out, wd, wu, wg, *ell, **kw)
+        else:
+            with jax.named_scope("twell_sddmm_grad"):
+                dr, du = st.sddmm_grad(g_out, wd, *ell, **kw)
+            with jax.named_scope("twell_spmm_dx"):
+                dx = st.spmm_rows(((dr, wu), (du, wg)), ell_count, cols, out_dtype=x.dtype, **kw)
         with jax.named_scope("twell_csc_index"):
             csc = hf.build_csc(ell_count, cols, n)
             entries = st.csc_entries(csc, cfg.ell_width, dr, du, t)

@@ -185,6 +185,34 @@ def test_spmm_csc_matches_dense(interpret):
     assert dead.any() and (_f32(dwu)[dead] == 0).all()
 
 
+@pytest.mark.parametrize("interpret", MODES)
+def test_gated_rows_fwd_matches_separate_kernels(interpret):
+    x, wg, wu, wd, _ = make_inputs(7, M, H, N, 8, heavy=(6,), zero=(11,))
+    _, ell, ell_count, _ = _ell(x, wg, 16)
+    args = (x, wu, wd, ell_count, ell.cols, ell.vals)
+    got = st.gated_rows_fwd(*args, **_kw(interpret))
+    want = st.gated_rows_fwd(*args, impl="xla")  # = sddmm_up then spmm_rows (jnp twins)
+    for name, a, b in zip(("r", "t", "l1_rows", "out"), got, want, strict=True):
+        assert rel_err(a, b) < OUT_RTOL, name
+    assert (_f32(got[3][11]) == 0).all() and (_f32(got[3][6]) == 0).all()  # zero / tail row
+    valid = np.asarray(hf.slot_mask(ell_count, 16))
+    assert (_f32(got[0])[~valid] == 0).all() and (_f32(got[1])[~valid] == 0).all()
+
+
+@pytest.mark.parametrize("interpret", MODES)
+def test_gated_rows_bwd_matches_separate_kernels(interpret):
+    x, wg, wu, wd, proj = make_inputs(8, M, H, N, 8, heavy=(2,), zero=(9,))
+    _, ell, ell_count, _ = _ell(x, wg, 16)
+    r, t, _ = st.sddmm_up(x, wu, ell_count, ell.cols, ell.vals, impl="xla")
+    g = proj.astype(jnp.bfloat16)
+    args = (g, wd, wu, wg, ell_count, ell.cols, ell.vals, r, t, jnp.asarray([0.3], jnp.float32))
+    got = st.gated_rows_bwd(*args, **_kw(interpret))
+    want = st.gated_rows_bwd(*args, impl="xla")  # = sddmm_grad then spmm_rows (jnp twins)
+    for name, a, b in zip(("dr", "du", "dx"), got, want, strict=True):
+        assert rel_err(a, b) < OUT_RTOL, name
+    assert (_f32(got[2][9]) == 0).all() and (_f32(got[2][2]) == 0).all()
+
+
 # ---------------------------------------------------------------------------------------
 # The op against jax.grad of the dense reference.
 # ---------------------------------------------------------------------------------------
@@ -242,12 +270,16 @@ CASES = {
 
 
 # The jnp twin runs the same orchestration; one case (plus the l1_coef and two-shard
-# tests below) covers it, keeping CPU time for the Pallas cases.
-@pytest.mark.parametrize("impl, case", [("xla", "tail")] + [("pallas", case) for case in CASES])
-def test_op_grads_match_dense_reference(impl, case):
+# tests below) covers it, keeping CPU time for the Pallas cases. fuse=False: the
+# separate row kernels.
+@pytest.mark.parametrize(
+    "impl, case, fuse",
+    [("xla", "tail", True), ("pallas", "tail", False)] + [("pallas", case, True) for case in CASES],
+)
+def test_op_grads_match_dense_reference(impl, case, fuse):
     nnz, heavy, zero, cap, fallback = CASES[case]
     inputs = make_inputs(10, M, H, N, nnz, heavy=heavy, zero=zero)
-    cfg = SparseTrainConfig(impl=impl, **SMALL)
+    cfg = SparseTrainConfig(impl=impl, fuse_rows=fuse, **SMALL)
     stats = _check_against_reference(inputs, cfg, interpret=True)
     assert int(stats["tail_rows"]) == len(heavy)
     assert int(stats["tail_capacity"]) == cap
@@ -432,6 +464,18 @@ LOWERINGS = {
         [_z((PM, PH)), _z((PN, PH)), _z((PM,), _I), _z((PM, PW), _I), _z((PM, PW)),
          _z((1,), jnp.float32)],
     ),
+    "gated_rows_fwd": (
+        lambda x, wu, wd, c, cols, p: st.gated_rows_fwd(x, wu, wd, c, cols, p, interpret=False),
+        [_z((PM, PH)), _z((PN, PH)), _z((PN, PH)), _z((PM,), _I), _z((PM, PW), _I),
+         _z((PM, PW))],
+    ),
+    "gated_rows_bwd": (
+        lambda g, w, c, cols, v, s: st.gated_rows_bwd(
+            g, w, w, w, c, cols, v, v, v, s, interpret=False
+        ),
+        [_z((PM, PH)), _z((PN, PH)), _z((PM,), _I), _z((PM, PW), _I), _z((PM, PW)),
+         _z((1,), jnp.float32)],
+    ),
     "spmm_csc": (
         lambda o, order, tok, v, x: st.spmm_csc(o, order, tok, v, v, v, x, x, interpret=False),
         [_z((PN + 1,), _I), _z((PN,), _I), _z((PM * PW,), _I), _z((PM * PW,)), _z((PM, PH))],
@@ -478,6 +522,6 @@ def test_op_value_and_grad_lowers_for_cuda(verified_modules):
         return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(x, wg, wu, wd)
 
     txt = lower_for_cuda(step, _z((PM, PH)), _z((PN, PH)), _z((PN, PH)), _z((PN, PH)))
-    # compaction, SDDMM, SpMM forward; fused SDDMM, dx SpMM, CSC SpMM backward.
-    assert txt.count(TRITON_CALL) == 6
-    assert len(verified_modules) == 6
+    # compaction and fused rows forward; fused rows and CSC SpMM backward.
+    assert txt.count(TRITON_CALL) == 4
+    assert len(verified_modules) == 4
