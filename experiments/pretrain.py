@@ -9,8 +9,11 @@ the mesh); Ctrl-C saves a checkpoint and exits. Examples:
   python -m experiments.pretrain --flagfile=experiments/configs/tiny.flags
   python -m experiments.pretrain --preset=tiny --steps=50 --workdir=/tmp/run \
       --set=model.d_model=64 --set=model.n_layers=2
-  # multi-host (one process per host, e.g. under SLURM):
+  # multi-host, one process per host (SLURM / Open MPI find their peers):
   python -m experiments.pretrain --flagfile=experiments/configs/1b.flags --distributed
+  # elsewhere name them (on CPU also export JAX_CPU_COLLECTIVES_IMPLEMENTATION=gloo):
+  python -m experiments.pretrain ... --distributed --coordinator_address=host0:23456 \
+      --num_processes=2 --process_id=0
 
 Outputs in --workdir: checkpoints/, metrics.jsonl, metrics.png, config.json.
 """
@@ -47,8 +50,15 @@ _STOP_AT = flags.DEFINE_integer(
 )
 _MAX_TO_KEEP = flags.DEFINE_integer("max_to_keep", 3, "Checkpoints kept (0: all).")
 _DISTRIBUTED = flags.DEFINE_bool(
-    "distributed", False, "Call jax.distributed.initialize() first (multi-host runs)."
+    "distributed", False,
+    "Call jax.distributed.initialize() first (multi-host runs). On SLURM / Open MPI / "
+    "cloud TPU it finds its peers itself; elsewhere set the three flags below.",
 )
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address", None, "With --distributed: host:port of process 0."
+)
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "With --distributed.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "With --distributed.")
 _SET = flags.DEFINE_multi_string(
     "set", [], "Dotted config override, e.g. model.d_ff=1024; applied after the flags below."
 )
@@ -133,7 +143,9 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     _quiet_orbax()
     if _DISTRIBUTED.value:
-        jax.distributed.initialize()  # before any other JAX call
+        jax.distributed.initialize(  # before any other JAX call; None: auto-detect
+            _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value
+        )
     cfg = resolve_config()
     workdir = _WORKDIR.value or f"runs/{_PRESET.value}"
     logging.info("resolved config (preset %s):\n%s", _PRESET.value,
