@@ -81,16 +81,24 @@ def format_train_line(record: Mapping[str, Any], total_steps: int, d_ff: int) ->
     """One human-readable progress line of a train record.
 
     `l1` is the lambda-weighted penalty added to CE; `l0` the mean non-zero FFN
-    activations per token (over layers) out of N = d_ff.
+    activations per token (over layers) out of N = d_ff. With the sparse kernels the
+    line also counts the layers on them and the interval's overflow events.
     """
     tps = record.get("tokens_per_s")
-    return (
+    line = (
         f"step {record['step']:>6}/{total_steps}  loss {record['loss']:.4f}  "
         f"ce {record['ce']:.4f}  l1 {record['l1_loss']:.4f}  "
         f"l0 {record['l0_mean']:.1f}/{d_ff}  sparsity {100 * record['sparsity_mean']:.2f}%  "
         f"alive {100 * record['alive_mean']:.1f}%  "
         f"tok/s {'-' if tps is None else f'{tps:,.0f}'}  lr {record['lr']:.3e}"
     )
+    if all(k in record for k in SUM_KEYS):  # ffn_impl="sparse": overflow is never silent
+        line += (
+            f"  sparse layers {sum(record['use_sparse'])}/{len(record['use_sparse'])}"
+            f"  tail rows {sum(record['tail_rows'])}"
+            f"  dense fallbacks {sum(record['dense_fallback'])}"
+        )
+    return line
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
