@@ -296,11 +296,12 @@ def test_op_grads_match_dense_reference_gpu(case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("nnz", [29, 100])
-def test_op_grads_production_shape_gpu(nnz):
-    """M=16384, H=2048, N=5632 with default config; ~100 nnz/row may take the fallback."""
+@pytest.mark.parametrize("nnz, fuse", [(29, True), (29, False), (100, True)])
+def test_op_grads_production_shape_gpu(nnz, fuse):
+    """M=16384, H=2048, N=5632, default config; two heavy rows go to the tail."""
     inputs = make_inputs(11, 16384, 2048, 5632, nnz, heavy=(5, 77))
-    _check_against_reference(inputs, SparseTrainConfig(), interpret=False)
+    stats = _check_against_reference(inputs, SparseTrainConfig(fuse_rows=fuse), interpret=False)
+    assert int(stats["tail_rows"]) >= 2 and int(stats["dense_fallback"]) == 0
 
 
 def test_l1_coef_instead_of_l1_in_loss():
