@@ -58,7 +58,8 @@ class SparseTrainConfig:
         block_h: H columns per program or step of the row kernels (power of two
             dividing H).
         csc_chunk, csc_block_h: the same for the transposed (per-neuron) SpMM; smaller
-            H blocks spread very active neurons over more programs.
+            H blocks spread very active neurons over more programs and keep the
+            gathered x / gO columns (2 M csc_block_h bf16) within L2.
         num_warps, num_stages: Triton launch parameters of the gather kernels.
         fuse_rows: one kernel per pass for the row products (forward SDDMM + SpMM,
             backward SDDMM + dx SpMM) instead of two.
