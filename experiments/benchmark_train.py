@@ -168,8 +168,6 @@ def _breakdown(
 
 
 ROW_STAGES = ("sddmm_up", "spmm_down", "sddmm_grad", "spmm_dx", "gated_rows_fwd", "gated_rows_bwd")
-# With fuse_rows (the default) the step runs gated_rows_* instead of the four separate ones.
-UNFUSED_STAGES = ("sddmm_up", "spmm_down", "sddmm_grad", "spmm_dx")
 
 
 def tune(
@@ -265,9 +263,12 @@ def run(
         if breakdown:
             parts = _breakdown(*args, config=config, samples=max(reps // 2, 3))
             rec["breakdown_ms"] = parts
-            # Stages of one step; the rest of the step is XLA glue, conditionals, launches.
-            skip = UNFUSED_STAGES if config.fuse_rows else ("gated_rows_fwd", "gated_rows_bwd")
-            rec["breakdown_sum_ms"] = sum(v for k, v in parts.items() if k not in skip)
+            # Stages of one step (fused or separate row kernels, as configured); the rest
+            # of the step is XLA glue, conditionals and launch gaps.
+            fwd = ("gated_rows_fwd",) if config.fuse_fwd_rows else ("sddmm_up", "spmm_down")
+            bwd = ("gated_rows_bwd",) if config.fuse_bwd_rows else ("sddmm_grad", "spmm_dx")
+            used = ("gate_gemm", "compact", *fwd, *bwd, "csc_index", "spmm_csc")
+            rec["breakdown_sum_ms"] = sum(parts[k] for k in used)
         records.append(rec)
         del args, grads_s, grads_d
     return records

@@ -61,8 +61,11 @@ class SparseTrainConfig:
             H blocks spread very active neurons over more programs and keep the
             gathered x / gO columns (2 M csc_block_h bf16) within L2.
         num_warps, num_stages: Triton launch parameters of the gather kernels.
-        fuse_rows: one kernel per pass for the row products (forward SDDMM + SpMM,
-            backward SDDMM + dx SpMM) instead of two.
+        fuse_fwd_rows, fuse_bwd_rows: one row kernel for the forward (SDDMM + SpMM,
+            Wu and Wd gathered: 46 MB of weights at production shapes) / backward
+            (SDDMM + dx SpMM, Wd, Wu and Wg: 69 MB, more than the H200's L2) instead of
+            two. The separate SpMMs sweep H in blocks of `block_h` (grid rows fastest),
+            so their weight working set is N block_h per weight.
 
     The row kernels' defaults follow the GatedT2D kernel tuned on the H200 (one row per
     program, 4 whole 4 KB weight rows per step, 4 warps, 1 stage).
@@ -79,7 +82,8 @@ class SparseTrainConfig:
     csc_block_h: int = 512
     num_warps: int = 4
     num_stages: int = 1
-    fuse_rows: bool = True
+    fuse_fwd_rows: bool = True
+    fuse_bwd_rows: bool = True
 
     def __post_init__(self):
         caps = self.tail_capacities
@@ -212,7 +216,7 @@ def _forward(static: _Static, x, wg, wu, wd):
     fallback = plan.bucket == len(caps)
 
     def sparse(_):
-        if cfg.fuse_rows:
+        if cfg.fuse_fwd_rows:
             with jax.named_scope("twell_gated_rows_fwd"):
                 r, t, l1_rows, out = st.gated_rows_fwd(
                     x, wu, wd, ell_count, ell.cols, ell.vals, **kw
@@ -275,7 +279,7 @@ def _op_bwd(static, res, cts):
 
     def sparse(_):
         ell = (ell_count, cols, p_vals, r, t, scale[None])
-        if cfg.fuse_rows:
+        if cfg.fuse_bwd_rows:
             with jax.named_scope("twell_gated_rows_bwd"):
                 dr, du, dx = st.gated_rows_bwd(g_out, wd, wu, wg, *ell, **kw)
         else:

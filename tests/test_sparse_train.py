@@ -279,7 +279,7 @@ CASES = {
 def test_op_grads_match_dense_reference(impl, case, fuse):
     nnz, heavy, zero, cap, fallback = CASES[case]
     inputs = make_inputs(10, M, H, N, nnz, heavy=heavy, zero=zero)
-    cfg = SparseTrainConfig(impl=impl, fuse_rows=fuse, **SMALL)
+    cfg = SparseTrainConfig(impl=impl, fuse_fwd_rows=fuse, fuse_bwd_rows=fuse, **SMALL)
     stats = _check_against_reference(inputs, cfg, interpret=True)
     assert int(stats["tail_rows"]) == len(heavy)
     assert int(stats["tail_capacity"]) == cap
@@ -300,7 +300,8 @@ def test_op_grads_match_dense_reference_gpu(case):
 def test_op_grads_production_shape_gpu(nnz, fuse):
     """M=16384, H=2048, N=5632, default config; two heavy rows go to the tail."""
     inputs = make_inputs(11, 16384, 2048, 5632, nnz, heavy=(5, 77))
-    stats = _check_against_reference(inputs, SparseTrainConfig(fuse_rows=fuse), interpret=False)
+    cfg = SparseTrainConfig(fuse_fwd_rows=fuse, fuse_bwd_rows=fuse)
+    stats = _check_against_reference(inputs, cfg, interpret=False)
     assert int(stats["tail_rows"]) >= 2 and int(stats["dense_fallback"]) == 0
 
 
