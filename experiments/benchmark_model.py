@@ -5,8 +5,10 @@ weights at hand we use a synthetic-sparsity initialisation of a randomly initial
 model, calibrated to a target number of positive gate entries per token per layer:
 
 1. every token embedding gets a constant first coordinate (1.0, against ~0.02 for the
-   others), so the residual stream, and hence each RMS-normalised FFN input, carries a
-   large, nearly constant x[:, 0];
+   others), and no layer reads or writes that coordinate otherwise (rows 0 of the
+   attention inputs, column 0 of the attention output and of the up / down weights
+   are zeroed), so the residual stream keeps it exactly: each RMS-normalised FFN
+   input carries a large, nearly constant x[:, 0];
 2. w_gate[:, 0] of layer l is set to -b_l, a per-layer bias through that coordinate;
 3. b_l is calibrated by bisection (in log space) on the measured l0 of each layer of
    the dense model, on a small batch, until every layer sits near the target.
@@ -33,7 +35,7 @@ def _with_gate_bias(state, bias: jax.Array):
     return state
 
 
-def synthetic_sparse_state(preset: str, nnz: float, seed: int = 0, calib_tokens=(2, 2048),
+def synthetic_sparse_state(preset: str, nnz: float, seed: int = 0, calib_tokens=(8, 2048),
                            rounds: int = 14):
     """bf16 parameters of `preset` with ~nnz positive gate entries per token per layer.
 
@@ -44,6 +46,12 @@ def synthetic_sparse_state(preset: str, nnz: float, seed: int = 0, calib_tokens=
     graphdef, state = nnx.split(model)
     state = jax.tree.map(lambda a: a.astype(jnp.bfloat16), state)
     state["embed"].value = state["embed"].value.at[:, 0].set(1.0)
+    attn, ffn = state["blocks"]["attn"], state["blocks"]["ffn"]
+    for name in ("wq", "wk", "wv"):  # [L, H, nH, D]: ignore the constant coordinate
+        attn[name].value = attn[name].value.at[:, 0].set(0)
+    attn["wo"].value = attn["wo"].value.at[..., 0].set(0)  # [L, nH, D, H]: never write it
+    for name in ("w_up", "w_down"):  # [L, N, H]
+        ffn[name].value = ffn[name].value.at[:, :, 0].set(0)
     tokens = jax.random.randint(jax.random.key(seed + 1), calib_tokens, 0, cfg.vocab_size)
 
     @jax.jit
