@@ -37,13 +37,13 @@ def kernel_tables(res: dict) -> str:
 
 def train_table(res: dict) -> str:
     head = (
-        "| nnz/row | sparse fwd+bwd | dense fwd+bwd | speedup | peak MB sparse / dense "
+        "| nnz/row | sparse fwd+bwd | dense fwd+bwd | speedup | temp MB sparse / dense "
         "| grad rel err (dx, dWg, dWu, dWd) |\n|---|---|---|---|---|---|\n"
     )
     rows = []
     for c in res["cases"]:
-        mem_s = c.get("sparse_memory", {}).get("temp_mb", float("nan"))
-        mem_d = c.get("dense_memory", {}).get("temp_mb", float("nan"))
+        mem_s = c["sparse_memory"]["temp_bytes"] / 1e6
+        mem_d = c["dense_memory"]["temp_bytes"] / 1e6
         errs = ", ".join(f"{v:.1e}" for v in c["grad_rel_err"].values())
         rows.append(
             f"| {c['l0']:.1f} | {c['sparse_ms']:.2f} ms | {c['dense_ms']:.2f} ms | "
@@ -52,12 +52,27 @@ def train_table(res: dict) -> str:
     return head + "\n".join(rows)
 
 
+def model_table(res: dict) -> str:
+    head = (
+        "| model | tokens | l0 (twell) | dense tokens/ms | twell tokens/ms | change "
+        "| overflow tiles | body norm rel err |\n|---|---|---|---|---|---|---|---|\n"
+    )
+    return head + "\n".join(
+        f"| {c['preset']} | {c['tokens']} | {c['twell_l0_mean']:.1f} | "
+        f"{c['dense_tokens_per_ms']:.1f} | {c['twell_tokens_per_ms']:.1f} | "
+        f"**{100 * (c['speedup'] - 1):+.1f}%** | {c['twell_overflow_tiles']} | "
+        f"{c['body_norm_rel_err']:.1e} |"
+        for c in res["cases"]
+    )
+
+
 def main(paths: list[str]) -> None:
     for path in paths:
         with open(path) as f:
             res = json.load(f)
         print(f"`{res['command']}` ({res['device']}, jax {res['jax']}, {res['time']})\n")
-        print(kernel_tables(res) if res["mode"] == "kernel" else train_table(res))
+        tables = {"kernel": kernel_tables, "train": train_table, "model": model_table}
+        print(tables[res["mode"]](res))
         print()
 
 
