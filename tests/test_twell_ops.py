@@ -7,11 +7,8 @@ import pytest
 
 import pallas_kernels as pk
 from pallas_kernels import reference
-from pallas_kernels.d2t import D2TConfig
+from tests.kernel_cases import INTERPRET_AND_GPU, SMALL_D2T, integer_mlp
 from tests.lowering import count_triton_calls
-from tests.test_twell_kernels import INTERPRET_AND_GPU, integer_mlp
-
-SMALL = D2TConfig(block_m=64, num_warps=4, num_stages=2)
 
 
 def _impl(interpret):
@@ -24,7 +21,7 @@ def test_gated_op_exact_with_leading_dims_and_stats(interpret, bias):
     x, wg, wu, wd = integer_mlp(0, 30, 128, 512, bias)
     x3 = x.reshape(2, 15, 128)
     out, stats = pk.twell_gated_mlp(x3, wg, wu, wd, impl=_impl(interpret), return_stats=True,
-                                    d2t_config=SMALL)
+                                    d2t_config=SMALL_D2T)
     assert out.shape == x3.shape and out.dtype == jnp.bfloat16
     want = reference.gated_mlp(x, wg, wu, wd).reshape(x3.shape)
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
@@ -42,7 +39,7 @@ def test_gated_op_exact_with_leading_dims_and_stats(interpret, bias):
 def test_nongated_op_exact(interpret, compression):
     x, wu, _, wd = integer_mlp(1, 19, 128, 256, 8.0)
     out = pk.twell_mlp(x, wu, wd, compression=compression, impl=_impl(interpret),
-                       d2t_config=SMALL)
+                       d2t_config=SMALL_D2T)
     np.testing.assert_array_equal(np.asarray(out, np.float32),
                                   np.asarray(reference.mlp(x, wu, wd), np.float32))
 
@@ -53,7 +50,7 @@ def test_xla_impl_matches_kernels_and_stats(gated):
     weights = (ws, wu, wd) if gated else (ws, wd)
     op = pk.twell_gated_mlp if gated else pk.twell_mlp
     out_x, st_x = op(x, *weights, impl="xla", return_stats=True)
-    out_i, st_i = op(x, *weights, impl="interpret", return_stats=True, d2t_config=SMALL)
+    out_i, st_i = op(x, *weights, impl="interpret", return_stats=True, d2t_config=SMALL_D2T)
     np.testing.assert_array_equal(np.asarray(out_x, np.float32), np.asarray(out_i, np.float32))
     for a, b in zip(st_x, st_i, strict=True):
         assert float(a) == float(b)
