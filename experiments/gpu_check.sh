@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the GPU test suite, then the benchmarks.
-#   bash experiments/gpu_check.sh [tests|kernel|train|model|tune|all]...
+#   bash experiments/gpu_check.sh [tests|kernel|train|model|tune|quality|all]...
 # Results (JSON and logs) go to $OUT when set (the device tool), else results/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,6 +26,14 @@ for what in "${@:-all}"; do
     model) python3 -m experiments.benchmark --mode=model --reps=10 --out="$OUT/model_h200.json" \
              || status=1 ;;
     tune) python3 -m experiments.benchmark --mode=tune --out="$OUT/tune_h200.json" || status=1 ;;
+    quality)  # issue 3 (a): the 125M L1 run and its dense baseline; QUALITY_ARGS adds flags
+      for cfg in 125m 125m_dense; do
+        # shellcheck disable=SC2086
+        python3 -m experiments.pretrain --flagfile="experiments/configs/$cfg.flags" \
+          --workdir="/tmp/runs/$cfg" ${QUALITY_ARGS:-} || status=1
+        cp "/tmp/runs/$cfg/metrics.jsonl" "$OUT/${cfg}_metrics.jsonl"
+        cp "/tmp/runs/$cfg/metrics.png" "$OUT/${cfg}_metrics.png"
+      done ;;
   esac
 done
 exit $status
