@@ -10,11 +10,13 @@ tune: block-size sweep of D2T and launch sweep of GatedT2D at the largest M.
 train: the hybrid sparse training op's value_and_grad against dense XLA
 (experiments/benchmark_train.py), at M=--train_tokens.
 model: model-body forward throughput, twell against dense FFNs, on synthetic-sparsity
-weights (experiments/benchmark_model.py).
+weights (experiments/benchmark_model.py), and on trained checkpoints (--model_workdirs).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import platform
 import sys
@@ -27,9 +29,10 @@ from absl import app, flags, logging
 from experiments import bench_util as bu
 from experiments import benchmark_model, benchmark_train
 from pallas_kernels import d2t as d2t_mod
-from pallas_kernels import ops, reference
+from pallas_kernels import ops, reference, twell_pack
 from pallas_kernels import t2d as t2d_mod
 from pallas_kernels import twell_format as fmt
+from twell_jax import data
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("mode", "kernel", ["kernel", "tune", "train", "model"], "What to measure.")
@@ -37,20 +40,41 @@ flags.DEFINE_list("model_presets", ["1.5b", "2b"], "Presets of --mode=model.")
 flags.DEFINE_float("model_nnz", 29.0, "Positive gate entries per token of --mode=model.")
 flags.DEFINE_integer("model_batch", 64, "Sequences per forward of --mode=model.")
 flags.DEFINE_integer("model_seq", 2048, "Sequence length of --mode=model.")
+flags.DEFINE_list(
+    "model_workdirs",
+    [],
+    "Pretrain workdirs whose newest checkpoint --mode=model also measures, on "
+    "--model_data_dir's validation tokens at the run's sequence length.",
+)
+flags.DEFINE_string(
+    "model_data_dir", data.DataConfig.data_dir, "Prepared corpus of the --model_workdirs runs."
+)
 flags.DEFINE_string("out", "", "JSON output path (default: print only).")
 flags.DEFINE_list("tokens", ["16384", "131072"], "Token counts M.")
 flags.DEFINE_list("nnz", ["29", "56", "115"], "Target non-zeros per row of the synthetic gate.")
-flags.DEFINE_list("sweep_nnz", ["29", "56", "115", "170", "230", "345"],
-                  "Densities of the crossover sweep (at the largest M).")
+flags.DEFINE_list(
+    "sweep_nnz",
+    ["29", "56", "115", "170", "230", "345"],
+    "Densities of the crossover sweep (at the largest M).",
+)
 flags.DEFINE_integer("d_model", 2048, "H.")
 flags.DEFINE_integer("d_ff", 5632, "N.")
 flags.DEFINE_integer("compression", 8, "TwELL compression C.")
 flags.DEFINE_multi_string(
-    "tune_d2t_cfg", ["128,64,128,8,3", "128,64,64,8,3", "128,64,128,8,4", "64,64,128,8,3"],
-    "D2T block_m,block_k,chunk,num_warps,num_stages to try in --mode=tune.")
+    "tune_d2t_cfg",
+    ["128,64,128,8,3", "128,64,64,8,3", "128,64,128,8,4", "64,64,128,8,3"],
+    "D2T block_m,block_k,chunk,num_warps,num_stages to try in --mode=tune.",
+)
 flags.DEFINE_multi_string(
-    "tune_t2d_cfg", ["4,4,1,1", "4,4,1,0", "2,4,1,1", "8,4,1,1", "4,2,1,1", "1,4,1,1"],
-    "T2D group,num_warps,num_stages,cache_hints to try in --mode=tune.")
+    "tune_t2d_cfg",
+    ["4,4,1,1", "4,4,1,0", "2,4,1,1", "8,4,1,1", "4,2,1,1", "1,4,1,1"],
+    "T2D group,num_warps,num_stages,cache_hints to try in --mode=tune.",
+)
+flags.DEFINE_multi_string(
+    "tune_pack_cfg",
+    ["32,8,cumsum", "16,8,cumsum", "16,4,cumsum", "8,4,cumsum", "32,16,cumsum", "64,16,cumsum"],
+    "Pack kernel block_m,num_warps,prefix to try in --mode=tune.",
+)
 flags.DEFINE_list("train_nnz", ["10", "29", "50", "100"], "Densities of --mode=train.")
 flags.DEFINE_integer("train_tokens", 16384, "M of --mode=train (per-GPU micro-batch).")
 flags.DEFINE_integer("reps", 30, "Timed calls per measurement (median reported).")
@@ -70,12 +94,14 @@ def kernel_case(m: int, nnz: float, h: int, n: int, c: int, reps: int, warmup: i
     dense_mlp = jax.jit(reference.mlp)
     gate_gemm = jax.jit(reference.hidden)
     d2t = jax.jit(lambda x, w: d2t_mod.d2t(x, w, compression=c))
+    d2t_two_pass = jax.jit(lambda x, w: twell_pack.gate_then_pack(x, w, compression=c))
+    pack = jax.jit(lambda g: twell_pack.pack_tiles(g, compression=c))
     gated_t2d = jax.jit(lambda x, p, a, b, d: t2d_mod.t2d(x, p, (a, b, d), compression=c))
     t2d = jax.jit(lambda x, p, b, d: t2d_mod.t2d(x, p, (b, d), compression=c))
-    twell_gated = jax.jit(lambda *a: ops.twell_gated_mlp(*a, compression=c, impl="pallas",
-                                                         return_stats=True))
-    twell = jax.jit(lambda *a: ops.twell_mlp(*a, compression=c, impl="pallas",
-                                             return_stats=True))
+    twell_gated = jax.jit(
+        lambda *a: ops.twell_gated_mlp(*a, compression=c, impl="pallas", return_stats=True)
+    )
+    twell = jax.jit(lambda *a: ops.twell_mlp(*a, compression=c, impl="pallas", return_stats=True))
 
     # The non-gated MLP relu(x Wu^T) Wd takes the sparse weight (wg) as its Wu.
     packed_g = d2t(x, wg)
@@ -95,10 +121,13 @@ def kernel_case(m: int, nnz: float, h: int, n: int, c: int, reps: int, warmup: i
     r["dense_gated_ms"] = timed(dense_gated, x, wg, wu, wd)
     r["gate_gemm_ms"] = timed(gate_gemm, x, wg)
     r["d2t_ms"] = timed(d2t, x, wg)
+    r["d2t_two_pass_ms"] = timed(d2t_two_pass, x, wg)
+    r["pack_ms"] = timed(pack, gate_gemm(x, wg))
     r["gated_t2d_ms"] = timed(gated_t2d, x, packed_g, wg, wu, wd)
     r["twell_gated_ms"] = timed(twell_gated, x, wg, wu, wd)
     r["speedup_gated"] = r["dense_gated_ms"] / r["twell_gated_ms"]
     r["d2t_over_gemm"] = r["d2t_ms"] / r["gate_gemm_ms"]
+    r["d2t_two_pass_over_gemm"] = r["d2t_two_pass_ms"] / r["gate_gemm_ms"]
     r["dense_gated_tflops"] = _gemm_tflops(m, h, n, 3, r["dense_gated_ms"])
     r["gate_gemm_tflops"] = _gemm_tflops(m, h, n, 1, r["gate_gemm_ms"])
     r["twell_gated_tokens_per_ms"] = m / r["twell_gated_ms"]
@@ -118,15 +147,20 @@ def kernel_case(m: int, nnz: float, h: int, n: int, c: int, reps: int, warmup: i
 def sweep_case(m: int, nnz: float, h: int, n: int, c: int, reps: int, warmup: int) -> dict:
     """Whole gated MLP only, for the density crossover."""
     x, wg, wu, wd = bu.synthetic_mlp(m, h, n, nnz)
-    twell_gated = jax.jit(lambda *a: ops.twell_gated_mlp(*a, compression=c, impl="pallas",
-                                                         return_stats=True))
+    twell_gated = jax.jit(
+        lambda *a: ops.twell_gated_mlp(*a, compression=c, impl="pallas", return_stats=True)
+    )
     _, stats = twell_gated(x, wg, wu, wd)
     dense = bu.time_fn(jax.jit(reference.gated_mlp), x, wg, wu, wd, warmup=warmup, reps=reps)
     sparse = bu.time_fn(twell_gated, x, wg, wu, wd, warmup=warmup, reps=reps)
     return {
-        "M": m, "C": c, "target_nnz": nnz, "nnz_per_row": float(stats.nnz_per_row),
+        "M": m,
+        "C": c,
+        "target_nnz": nnz,
+        "nnz_per_row": float(stats.nnz_per_row),
         "overflow_tiles": int(stats.overflow_tiles),
-        "dense_gated_ms": dense["median_ms"], "twell_gated_ms": sparse["median_ms"],
+        "dense_gated_ms": dense["median_ms"],
+        "twell_gated_ms": sparse["median_ms"],
         "speedup_gated": dense["median_ms"] / sparse["median_ms"],
     }
 
@@ -135,35 +169,61 @@ def _ints(spec: str) -> tuple[int, ...]:
     return tuple(int(v) for v in spec.split(","))
 
 
-def tune(m: int, h: int, n: int, c: int, reps: int, warmup: int) -> dict:
-    """D2T block sizes and GatedT2D launch parameters at ~29 non-zeros per row."""
-    x, wg, wu, wd = bu.synthetic_mlp(m, h, n, 29)
-    gemm_ms = bu.time_fn(jax.jit(reference.hidden), x, wg, warmup=warmup, reps=reps)["median_ms"]
-    d2t_rows = []
-    for bm, bk, chunk, warps, stages in map(_ints, FLAGS.tune_d2t_cfg):
-        cfg = d2t_mod.D2TConfig(bm, bk, chunk, warps, stages)
+def _time_configs(kind: str, cfgs, make_fn, args, warmup: int, reps: int) -> list[dict]:
+    """Median ms of `make_fn(cfg)(*args)` for each config; a failed compile is a result."""
+    rows = []
+    for cfg in cfgs:
         try:
-            f = jax.jit(lambda x, w, cfg=cfg: d2t_mod.d2t(x, w, compression=c, cfg=cfg))
-            t = bu.time_fn(f, x, wg, warmup=warmup, reps=reps)["median_ms"]
-        except Exception as e:  # a config that fails to compile is a result
-            t = None
-            logging.warning("d2t %s failed: %s", cfg, str(e)[:300])
-        d2t_rows.append({"cfg": cfg.__dict__, "ms": t, "over_gemm": t and t / gemm_ms})
-        print(d2t_rows[-1], flush=True)
-    packed = jax.jit(lambda x, w: d2t_mod.d2t(x, w, compression=c))(x, wg)
-    t2d_rows = []
-    for group, warps, stages, hints in map(_ints, FLAGS.tune_t2d_cfg):
-        cfg = t2d_mod.T2DConfig(group, warps, stages, bool(hints))
-        try:
-            f = jax.jit(lambda x, p, a, b, d, cfg=cfg: t2d_mod.t2d(x, p, (a, b, d),
-                                                                  compression=c, cfg=cfg))
-            t = bu.time_fn(f, x, packed, wg, wu, wd, warmup=warmup, reps=reps)["median_ms"]
+            t = bu.time_fn(jax.jit(make_fn(cfg)), *args, warmup=warmup, reps=reps)["median_ms"]
         except Exception as e:
             t = None
-            logging.warning("t2d %s failed: %s", cfg, str(e)[:300])
-        t2d_rows.append({"cfg": cfg.__dict__, "ms": t})
-        print(t2d_rows[-1], flush=True)
-    return {"M": m, "gate_gemm_ms": gemm_ms, "d2t": d2t_rows, "gated_t2d": t2d_rows}
+            logging.warning("%s %s failed: %s", kind, cfg, str(e)[:300])
+        rows.append({"cfg": dataclasses.asdict(cfg), "ms": t})
+        print(kind, rows[-1], flush=True)
+    return rows
+
+
+def tune(m: int, h: int, n: int, c: int, reps: int, warmup: int) -> dict:
+    """D2T block sizes (fused and pack kernel) and GatedT2D launches at ~29 nnz per row."""
+    x, wg, wu, wd = bu.synthetic_mlp(m, h, n, 29)
+    gate = jax.jit(reference.hidden)
+    gemm_ms = bu.time_fn(gate, x, wg, warmup=warmup, reps=reps)["median_ms"]
+    timed = functools.partial(_time_configs, warmup=warmup, reps=reps)
+    d2t_rows = timed(
+        "d2t",
+        [d2t_mod.D2TConfig(*_ints(spec)) for spec in FLAGS.tune_d2t_cfg],
+        lambda cfg: lambda x, w: d2t_mod.d2t(x, w, compression=c, cfg=cfg),
+        (x, wg),
+    )
+    for row in d2t_rows:
+        row["over_gemm"] = row["ms"] and row["ms"] / gemm_ms
+    pack_cfgs = []
+    for spec in FLAGS.tune_pack_cfg:
+        bm, warps, prefix = spec.split(",")
+        pack_cfgs.append(twell_pack.PackConfig(int(bm), int(warps), prefix))
+    pack_rows = timed(
+        "pack",
+        pack_cfgs,
+        lambda cfg: lambda g: twell_pack.pack_tiles(g, compression=c, cfg=cfg),
+        (gate(x, wg),),
+    )
+    packed = jax.jit(lambda x, w: twell_pack.gate_then_pack(x, w, compression=c))(x, wg)
+    t2d_rows = timed(
+        "t2d",
+        [
+            t2d_mod.T2DConfig(g, w, s, bool(hints))
+            for g, w, s, hints in map(_ints, FLAGS.tune_t2d_cfg)
+        ],
+        lambda cfg: lambda x, p, a, b, d: t2d_mod.t2d(x, p, (a, b, d), compression=c, cfg=cfg),
+        (x, packed, wg, wu, wd),
+    )
+    return {
+        "M": m,
+        "gate_gemm_ms": gemm_ms,
+        "d2t": d2t_rows,
+        "pack": pack_rows,
+        "gated_t2d": t2d_rows,
+    }
 
 
 def main(argv):
@@ -191,14 +251,27 @@ def main(argv):
             print(json.dumps(result["sweep"][-1]), flush=True)
     elif FLAGS.mode == "train":
         result["cases"] = benchmark_train.run(
-            M=FLAGS.train_tokens, H=h, N=n, nnz_targets=tuple(float(v) for v in FLAGS.train_nnz),
+            M=FLAGS.train_tokens,
+            H=h,
+            N=n,
+            nnz_targets=tuple(float(v) for v in FLAGS.train_nnz),
             reps=FLAGS.reps,
         )
     elif FLAGS.mode == "model":
         result["cases"] = benchmark_model.run(
-            presets=tuple(FLAGS.model_presets), nnz=FLAGS.model_nnz, batch=FLAGS.model_batch,
-            seq=FLAGS.model_seq, reps=FLAGS.reps,
+            presets=tuple(FLAGS.model_presets),
+            nnz=FLAGS.model_nnz,
+            batch=FLAGS.model_batch,
+            seq=FLAGS.model_seq,
+            reps=FLAGS.reps,
         )
+        if FLAGS.model_workdirs:
+            result["trained"] = benchmark_model.run_trained(
+                FLAGS.model_workdirs,
+                FLAGS.model_data_dir,
+                batch=FLAGS.model_batch,
+                reps=FLAGS.reps,
+            )
     else:
         result["tune"] = tune(max(tokens), *args)
     if FLAGS.out:

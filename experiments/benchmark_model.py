@@ -18,13 +18,19 @@ Both implementations then run the same bf16 parameters.
 
 from __future__ import annotations
 
+import dataclasses
+import json
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from experiments import bench_util as bu
-from twell_jax.config import model_preset
+from experiments import train_loop
+from twell_jax import checkpoint, data, train
+from twell_jax.config import ModelConfig, TrainConfig, model_preset, train_config_from_dict
 from twell_jax.model import Transformer
 
 
@@ -35,8 +41,9 @@ def _with_gate_bias(state, bias: jax.Array):
     return state
 
 
-def synthetic_sparse_state(preset: str, nnz: float, seed: int = 0, calib_tokens=(8, 2048),
-                           rounds: int = 14):
+def synthetic_sparse_state(
+    preset: str, nnz: float, seed: int = 0, calib_tokens=(8, 2048), rounds: int = 14
+):
     """bf16 parameters of `preset` with ~nnz positive gate entries per token per layer.
 
     Returns (state, l0 per layer [L] measured on the calibration batch).
@@ -69,36 +76,109 @@ def synthetic_sparse_state(preset: str, nnz: float, seed: int = 0, calib_tokens=
     return state, np.asarray(layer_l0(state))
 
 
-def run(presets=("1.5b", "2b"), nnz: float = 29.0, batch: int = 64, seq: int = 2048,
-        reps: int = 10) -> list[dict]:
+def _compare(cfg: ModelConfig, state, tokens: jax.Array, reps: int) -> dict:
+    """Times the model body with dense and twell FFNs on the same bf16 parameters.
+
+    Args:
+      cfg: the model config (ffn_impl is overridden).
+      state: parameters for `nnx.merge` (an nnx.State or a pure dict).
+      tokens: [B, S] int32.
+
+    Returns:
+      ms and tokens/ms of each, the speedup, twell's measured l0 and overflowed tiles, and
+      the body output's error of twell against dense.
+    """
+    n_tokens = tokens.size
+    rec, outs = {}, {}
+    for impl in ("dense", "twell"):
+        impl_cfg = dataclasses.replace(cfg, ffn_impl=impl, remat=False)
+        graphdef = train.model_graphdef(impl_cfg)
+        body = jax.jit(lambda s, t, g=graphdef: nnx.merge(g, s).body(t))
+        outs[impl] = body(state, tokens)
+        t = bu.time_fn(body, state, tokens, warmup=3, reps=reps)
+        rec[f"{impl}_ms"] = t["median_ms"]
+        rec[f"{impl}_tokens_per_ms"] = n_tokens / t["median_ms"]
+        if impl == "twell":
+            stats = jax.jit(lambda s, t, g=graphdef: nnx.merge(g, s)._body(t, None)[1])
+            s = stats(state, tokens)
+            rec["twell_l0_per_layer"] = [float(v) for v in s["l0"]]
+            rec["twell_l0_mean"] = float(jnp.mean(s["l0"]))
+            rec["twell_overflow_tiles"] = int(jnp.sum(s["overflow_tiles"]))
+    rec["speedup"] = rec["dense_ms"] / rec["twell_ms"]
+    rec.update({f"body_{k}": v for k, v in bu.errors(outs["twell"], outs["dense"]).items()})
+    return rec
+
+
+def run(
+    presets=("1.5b", "2b"), nnz: float = 29.0, batch: int = 64, seq: int = 2048, reps: int = 10
+) -> list[dict]:
     """tokens/ms of the model body for each preset, dense and twell, same weights."""
     records = []
     for preset in presets:
         state, calib_l0 = synthetic_sparse_state(preset, nnz)
-        vocab = model_preset(preset).vocab_size
-        tokens = jax.random.randint(jax.random.key(7), (batch, seq), 0, vocab)
-        rec = {"preset": preset, "tokens": batch * seq, "target_nnz": nnz,
-               "calibration_l0_mean": float(calib_l0.mean()),
-               "calibration_l0_min": float(calib_l0.min()),
-               "calibration_l0_max": float(calib_l0.max())}
-        outs = {}
-        for impl in ("dense", "twell"):
-            cfg = model_preset(preset, ffn_impl=impl, remat=False)
-            abstract = nnx.eval_shape(lambda cfg=cfg: Transformer(cfg, rngs=nnx.Rngs(0)))
-            graphdef = nnx.split(abstract)[0]
-            body = jax.jit(lambda s, t, g=graphdef: nnx.merge(g, s).body(t))
-            stats = jax.jit(lambda s, t, g=graphdef: nnx.merge(g, s)._body(t, None)[1])
-            outs[impl] = body(state, tokens)
-            t = bu.time_fn(body, state, tokens, warmup=3, reps=reps)
-            rec[f"{impl}_ms"] = t["median_ms"]
-            rec[f"{impl}_tokens_per_ms"] = batch * seq / t["median_ms"]
-            if impl == "twell":
-                s = stats(state, tokens)
-                rec["twell_l0_mean"] = float(jnp.mean(s["l0"]))
-                rec["twell_overflow_tiles"] = int(jnp.sum(s["overflow_tiles"]))
-        rec["speedup"] = rec["dense_ms"] / rec["twell_ms"]
-        rec.update({f"body_{k}": v for k, v in bu.errors(outs["twell"], outs["dense"]).items()})
+        cfg = model_preset(preset)
+        tokens = jax.random.randint(jax.random.key(7), (batch, seq), 0, cfg.vocab_size)
+        rec = {
+            "preset": preset,
+            "tokens": batch * seq,
+            "target_nnz": nnz,
+            "calibration_l0_mean": float(calib_l0.mean()),
+            "calibration_l0_min": float(calib_l0.min()),
+            "calibration_l0_max": float(calib_l0.max()),
+        }
+        rec.update(_compare(cfg, state, tokens, reps))
         records.append(rec)
         print(rec, flush=True)
         del state
+    return records
+
+
+def trained_params(workdir: str) -> tuple[TrainConfig, dict, int]:
+    """The newest checkpoint of a pretrain workdir: (its config, bf16 params, step).
+
+    Raises:
+      FileNotFoundError: no config.json or no checkpoint in `workdir`.
+    """
+    path = Path(workdir)
+    config_file = path / train_loop.CONFIG_FILE
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{config_file}: not a pretrain workdir (no config.json)")
+    cfg = train_config_from_dict(json.loads(config_file.read_text()))
+    mesh = train.make_mesh()
+    with checkpoint.Checkpointer(path / train_loop.CHECKPOINT_DIR) as ckpt:
+        if ckpt.latest_step() is None:
+            raise FileNotFoundError(f"{path / train_loop.CHECKPOINT_DIR}: no checkpoint")
+        restored = ckpt.restore(train.abstract_train_state(cfg, mesh))
+    params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), restored.state.params)
+    return cfg, params, restored.step
+
+
+def run_trained(
+    workdirs, data_dir: str, batch: int = 64, reps: int = 10, compressions=(8, 4, 2)
+) -> list[dict]:
+    """Model-body throughput of trained checkpoints at their real sparsity.
+
+    The tokens are the first validation sequences of `data_dir` (the run's corpus), at the
+    run's sequence length; each TwELL compression C is timed, since real l0 decides which
+    C overflows least.
+    """
+    records = []
+    for workdir in workdirs:
+        cfg, params, step = trained_params(workdir)
+        data_cfg = data.DataConfig(
+            data_dir, seq_len=cfg.model.seq_len, batch_size=batch, seed=cfg.seed
+        )
+        tokens = jnp.asarray(next(data.make_val_iterator(data_cfg, 1))["inputs"])
+        for c in compressions:
+            model_cfg = dataclasses.replace(cfg.model, twell_compression=c)
+            rec = {
+                "workdir": str(workdir),
+                "step": step,
+                "l1_coef": cfg.sparsity.l1_coef,
+                "tokens": int(tokens.size),
+                "compression": c,
+            }
+            rec.update(_compare(model_cfg, params, tokens, reps))
+            records.append(rec)
+            print(rec, flush=True)
     return records

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the GPU test suite, then the benchmarks.
-#   bash experiments/gpu_check.sh [tests|kernel|train|model|tune|quality|all]...
+#   bash experiments/gpu_check.sh [tests|kernel|train|model|tune|quality|l1sweep|all]...
 # Results (JSON and logs) go to $OUT when set (the device tool), else results/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -28,12 +28,30 @@ for what in "${@:-all}"; do
     tune) python3 -m experiments.benchmark --mode=tune --out="$OUT/tune_h200.json" || status=1 ;;
     quality)  # issue 3 (a): the 125M L1 run and its dense baseline; QUALITY_ARGS adds flags
       for cfg in 125m 125m_dense; do
+        # QUALITY_TIMEOUT_S bounds each run: SIGINT makes the loop save and stop cleanly.
         # shellcheck disable=SC2086
-        python3 -m experiments.pretrain --flagfile="experiments/configs/$cfg.flags" \
-          --workdir="/tmp/runs/$cfg" ${QUALITY_ARGS:-} || status=1
+        timeout --signal=INT --kill-after=60 "${QUALITY_TIMEOUT_S:-0}" \
+          python3 -m experiments.pretrain --flagfile="experiments/configs/$cfg.flags" \
+          --workdir="/tmp/runs/$cfg" ${QUALITY_ARGS:-} 2>&1 | tee "$OUT/${cfg}_log.txt" \
+          || status=1
         cp "/tmp/runs/$cfg/metrics.jsonl" "$OUT/${cfg}_metrics.jsonl"
         cp "/tmp/runs/$cfg/metrics.png" "$OUT/${cfg}_metrics.png"
       done ;;
+    l1sweep)  # issue 3 (a)/(b): 125M runs at each L1_SWEEP lambda, then their model body
+      dirs=()
+      for lam in ${L1_SWEEP:-2e-4 1e-3}; do
+        dirs+=("/tmp/runs/125m_l1_$lam")
+        # shellcheck disable=SC2086
+        timeout --signal=INT --kill-after=60 "${QUALITY_TIMEOUT_S:-0}" \
+          python3 -m experiments.pretrain --flagfile=experiments/configs/125m.flags \
+          --l1_coef="$lam" --workdir="/tmp/runs/125m_l1_$lam" ${QUALITY_ARGS:-} \
+          > "$OUT/125m_l1_${lam}_log.txt" 2>&1 || status=1
+        grep "summary:" "$OUT/125m_l1_${lam}_log.txt"
+        cp "/tmp/runs/125m_l1_$lam/metrics.jsonl" "$OUT/125m_l1_${lam}_metrics.jsonl"
+      done
+      python3 -m experiments.benchmark --mode=model --model_presets= --reps=20 \
+        --model_workdirs="$(IFS=,; echo "${dirs[*]}")" --out="$OUT/model_trained_125m.json" \
+        || status=1 ;;
   esac
 done
 exit $status

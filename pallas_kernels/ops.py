@@ -8,6 +8,14 @@ Backends (`impl`): "pallas" (D2T then (Gated)T2D, compiled for the GPU),
 dense jnp computation with the same statistics, for CPU models) and "auto" (pallas
 on a GPU, xla elsewhere).
 
+The D2T stage comes in two forms, picked by the type of `d2t_config`:
+- `PackConfig` (the default): XLA's gate GEMM writes the bf16 activation, then the
+  `twell_pack` kernel packs it (one [BM, 256] tile per program). It moves 2 x M x N
+  bf16 through HBM, and is still ~1.2x faster on the H200 than
+- `D2TConfig`: the fused kernel (gate GEMM with the pack in its epilogue; the dense
+  activation never reaches HBM), whose scatter epilogue Triton lowers poorly
+  (results/NOTES.md). Both produce the same words.
+
 Overflow policy: a (row, tile) with more positives than its W - 1 slots keeps its
 true count in the format; the T2D kernel sees it and recomputes that tile from x and
 the dense weight rows, so the output is correct at any density. How many tiles took
@@ -32,6 +40,7 @@ from pallas_kernels import reference
 from pallas_kernels import twell_format as fmt
 from pallas_kernels.d2t import D2TConfig, d2t
 from pallas_kernels.t2d import T2DConfig, t2d
+from pallas_kernels.twell_pack import PackConfig, gate_then_pack
 
 IMPLS = ("auto", "pallas", "interpret", "xla")
 
@@ -57,7 +66,7 @@ class TwellOptions:
     compression: int = 8
     high_precision: bool = False
     impl: str = "auto"
-    d2t: D2TConfig = D2TConfig()
+    d2t: D2TConfig | PackConfig = PackConfig()
     t2d: T2DConfig = T2DConfig()
 
 
@@ -87,7 +96,8 @@ def _check_inputs(x: jax.Array, weights: tuple[jax.Array, ...], opts: TwellOptio
 def _sparse_forward(x, weights, opts: TwellOptions):
     """Pallas path: out [M, H] and tile counts [M, N / 256] int32."""
     interpret = opts.impl == "interpret" or (opts.impl == "auto" and not tr.on_gpu())
-    packed = d2t(x, weights[0], compression=opts.compression, cfg=opts.d2t, interpret=interpret)
+    d2t_fn = gate_then_pack if isinstance(opts.d2t, PackConfig) else d2t
+    packed = d2t_fn(x, weights[0], compression=opts.compression, cfg=opts.d2t, interpret=interpret)
     out = t2d(
         x,
         packed,
@@ -173,7 +183,7 @@ def twell_gated_mlp(
     high_precision: bool = False,
     return_stats: bool = False,
     impl: str = "auto",
-    d2t_config: D2TConfig = D2TConfig(),
+    d2t_config: D2TConfig | PackConfig = PackConfig(),
     t2d_config: T2DConfig = T2DConfig(),
 ):
     """The TwELL gated MLP: (relu(x Wg^T) * (x Wu^T)) Wd.
@@ -187,7 +197,8 @@ def twell_gated_mlp(
       high_precision: keep the up product and h in fp32 (only the output is rounded).
       return_stats: also return a TwellStats.
       impl: "auto", "pallas", "interpret" or "xla" (module docstring).
-      d2t_config: D2T block sizes.
+      d2t_config: the D2T stage: PackConfig (XLA GEMM + pack kernel) or D2TConfig
+        (the fused kernel); see the module docstring.
       t2d_config: T2D launch parameters.
 
     Returns:
@@ -209,7 +220,7 @@ def twell_mlp(
     compression: int = 8,
     return_stats: bool = False,
     impl: str = "auto",
-    d2t_config: D2TConfig = D2TConfig(),
+    d2t_config: D2TConfig | PackConfig = PackConfig(),
     t2d_config: T2DConfig = T2DConfig(),
 ):
     """The TwELL non-gated MLP: relu(x Wu^T) Wd.

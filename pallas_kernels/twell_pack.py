@@ -1,0 +1,146 @@
+"""TwELL pack of a dense activation that is already in HBM (the two-pass D2T).
+
+`d2t` fuses the pack into the gate GEMM's epilogue, where Triton has to move the
+scatter's operands out of the tensor-core accumulator layout. This kernel packs a
+[M, N] activation that XLA's GEMM wrote instead: every program loads one [BM, 256]
+tile in a plain blocked layout, takes the in-tile prefix count and scatters the
+positive entries into that tile's W words. Programs are independent (one per
+(row block, tile)), so nothing serialises across N.
+
+The extra traffic is one bf16 write and read of [M, N] (about 0.7 ms at M=131072,
+N=5632 on an H200); what it buys is an XLA (cuBLAS) GEMM instead of a Pallas one
+with a heavy epilogue. `experiments/benchmark.py --mode=kernel` times both paths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels import _triton as tr
+from pallas_kernels import reference
+from pallas_kernels import twell_format as fmt
+
+_OUT_OF_TILE = 1 << 20  # a slot index no tile has (see d2t: interpreter scatter)
+PREFIXES = ("cumsum", "matmul")
+
+
+@dataclasses.dataclass(frozen=True)
+class PackConfig:
+    """Launch parameters of the pack kernel.
+
+    block_m rows x one 256-column tile per program; prefix is how in-tile slots are
+    counted: "cumsum" (a Triton scan) or "matmul" (against an upper-triangular ones
+    matrix on the tensor cores).
+    """
+
+    block_m: int = 32
+    num_warps: int = 8
+    prefix: str = "cumsum"
+
+
+def _pack_kernel(h_ref, o_ref, *, m, block_m, slots, prefix):
+    """h_ref [BM, 256] (any float) -> o_ref [BM, W] uint32: one TwELL tile of BM rows."""
+    tile = pl.program_id(0)
+    rows = jnp.arange(block_m, dtype=jnp.int32)
+    row_ok = pl.program_id(1) * block_m + rows < m  # the last row block may overhang M
+    h = tr.load(h_ref, mask=row_ok[:, None], other=0)
+    positive = h > 0
+    lane = jnp.arange(fmt.TILE, dtype=jnp.int32)
+    if prefix == "matmul":
+        upper_ones = (lane[:, None] <= lane[None, :]).astype(jnp.bfloat16)
+        inclusive = jnp.dot(
+            positive.astype(jnp.bfloat16), upper_ones, preferred_element_type=jnp.float32
+        ).astype(jnp.int32)
+    else:
+        inclusive = jnp.cumsum(positive.astype(jnp.int32), axis=1)
+    keep = positive & (inclusive < slots)  # slot = inclusive: word 0 is the count
+    slot = jnp.where(keep, inclusive, _OUT_OF_TILE)
+    words = fmt.encode_words(h, tile * fmt.TILE + lane[None, :])
+    tr.store(o_ref.at[rows[:, None], slot], words, mask=keep)
+    count = jnp.sum(positive.astype(jnp.int32), axis=1)
+    tr.store(o_ref.at[:, pl.ds(0, 1)], count.astype(jnp.uint32)[:, None], mask=row_ok[:, None])
+
+
+def pack_supported(m: int, n: int, compression: int, cfg: PackConfig) -> str | None:
+    """Why an [M, N] activation cannot be packed with `cfg`, or None when it can."""
+    try:
+        fmt.check_format(n, compression)
+    except ValueError as e:
+        return str(e)
+    if m < 1:
+        return f"M={m} tokens: need at least one"
+    if cfg.block_m < 1 or cfg.block_m & (cfg.block_m - 1):
+        return f"block_m={cfg.block_m} must be a power of two"
+    if cfg.prefix not in PREFIXES:
+        return f"prefix={cfg.prefix!r} must be one of {PREFIXES}"
+    return None
+
+
+def pack_tiles(
+    h: jax.Array,
+    *,
+    compression: int = 8,
+    cfg: PackConfig = PackConfig(),
+    interpret: bool | None = None,
+) -> jax.Array:
+    """Packs the positive entries of a dense activation as TwELL (like `twell_format.pack`).
+
+    Args:
+      h: [M, N] bf16 activation, or the gate pre-activation (only entries > 0 count).
+      compression: C in {8, 4, 2}.
+      cfg: launch parameters.
+      interpret: run the Pallas interpreter (None: only when there is no GPU).
+
+    Returns:
+      uint32 [M, N / C] TwELL words; word 0 of a tile keeps the true count, also past
+      capacity; words past the count are undefined.
+
+    Raises:
+      ValueError: h is not a 2-D bf16 array, or (M, N, C, cfg) is unsupported.
+    """
+    if h.ndim != 2 or h.dtype != jnp.bfloat16:
+        raise ValueError(f"pack_tiles: h must be a 2-D bfloat16 [M, N], got {h.dtype}{h.shape}")
+    m, n = h.shape
+    reason = pack_supported(m, n, compression, cfg)
+    if reason:
+        raise ValueError(f"pack_tiles: {reason}")
+    slots = fmt.slots_per_tile(compression)
+    kernel = functools.partial(
+        _pack_kernel, m=m, block_m=cfg.block_m, slots=slots, prefix=cfg.prefix
+    )
+    return tr.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((m, fmt.packed_width(n, compression)), jnp.uint32),
+        grid=(n // fmt.TILE, pl.cdiv(m, cfg.block_m)),
+        in_specs=[pl.BlockSpec((cfg.block_m, fmt.TILE), lambda t, i: (i, t))],
+        out_specs=pl.BlockSpec((cfg.block_m, slots), lambda t, i: (i, t)),
+        compiler_params=tr.compiler_params(cfg.num_warps, num_stages=1),
+        interpret=tr.resolve_interpret(interpret),
+        name=f"twell_pack_c{compression}",
+    )(h)
+
+
+def gate_then_pack(
+    x: jax.Array,
+    w_gate: jax.Array,
+    *,
+    compression: int = 8,
+    cfg: PackConfig = PackConfig(),
+    interpret: bool | None = None,
+) -> jax.Array:
+    """The two-pass D2T: XLA's bf16 gate GEMM x Wg^T, then `pack_tiles`.
+
+    Args:
+      x: [M, H] bf16; w_gate: [N, H] bf16.
+
+    Returns:
+      uint32 [M, N / C]: the words of `d2t` (up to the GEMMs' summation order).
+    """
+    return pack_tiles(
+        reference.hidden(x, w_gate), compression=compression, cfg=cfg, interpret=interpret
+    )

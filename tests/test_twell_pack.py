@@ -1,0 +1,111 @@
+"""The pack kernel (two-pass D2T) against the jnp oracle `twell_format.pack`.
+
+Packing copies bf16 values, so the checks are exact: true counts, then every payload
+word up to each tile's clamped count. Each runs in the Pallas interpreter (CPU CI)
+and, marked `gpu`, compiled on the GPU.
+"""
+
+import functools
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import reference
+from pallas_kernels import twell_format as fmt
+from pallas_kernels.d2t import d2t
+from pallas_kernels.twell_pack import PackConfig, gate_then_pack, pack_tiles
+from tests.kernel_cases import INTERPRET_AND_GPU, SMALL_D2T, SMALL_PACK, integer_mlp
+from tests.lowering import count_triton_calls
+
+
+def _assert_same_words(packed, expected, n, compression):
+    np.testing.assert_array_equal(
+        np.asarray(fmt.tile_counts(packed, compression)),
+        np.asarray(fmt.tile_counts(expected, compression)),
+    )
+    w = fmt.slots_per_tile(compression)
+    m = packed.shape[0]
+    got = np.asarray(packed).reshape(m, -1, w)
+    want = np.asarray(expected).reshape(m, -1, w)
+    used = np.arange(w)[None, None, :] <= np.minimum(want[:, :, :1], w - 1)
+    np.testing.assert_array_equal(got[used], want[used])
+    np.testing.assert_array_equal(
+        np.asarray(fmt.unpack(packed, n, compression)),
+        np.asarray(fmt.unpack(expected, n, compression)),
+    )
+
+
+def _adversarial(seed, m, n):
+    """Sparse random values with an all-zero row, a full tile and a dense row."""
+    rng = np.random.default_rng(seed)
+    h = rng.standard_normal((m, n)).astype(np.float32)
+    h[h < 1.5] = 0.0  # ~7% density: 17 of 256 per tile on average
+    h[min(2, m - 1)] = 0.0
+    h[0, :256] = rng.random(256) + 0.25  # every entry of a tile: count 256
+    if m > 3:
+        h[3] = np.abs(h[3]) + 0.5  # a whole row positive
+    h[:, -1] = -1.0  # negatives are not entries
+    return jnp.asarray(h, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("interpret", INTERPRET_AND_GPU)
+@pytest.mark.parametrize("compression", fmt.COMPRESSIONS)
+@pytest.mark.parametrize("m", [1, 37, 64])
+def test_pack_matches_oracle(interpret, compression, m):
+    """Odd M (masked row block), empty rows, full and overflowing tiles, every C."""
+    h = _adversarial(m, m, 768)
+    packed = pack_tiles(h, compression=compression, cfg=SMALL_PACK, interpret=interpret)
+    _assert_same_words(packed, fmt.pack(h, compression), 768, compression)
+
+
+@pytest.mark.parametrize("interpret", INTERPRET_AND_GPU)
+@pytest.mark.parametrize(
+    "cfg",
+    [PackConfig(block_m=32, num_warps=8), PackConfig(block_m=16, prefix="matmul")],
+    ids=["cumsum_bm32", "matmul_bm16"],
+)
+def test_pack_configs(interpret, cfg):
+    h = _adversarial(7, 45, 512)
+    packed = pack_tiles(h, compression=4, cfg=cfg, interpret=interpret)
+    _assert_same_words(packed, fmt.pack(h, 4), 512, 4)
+
+
+@pytest.mark.parametrize("interpret", INTERPRET_AND_GPU)
+@pytest.mark.parametrize(("m", "bias"), [(77, 12.0), (130, 0.0)])
+def test_gate_then_pack_equals_fused_d2t(interpret, m, bias):
+    """Integer inputs: both D2T forms see the same exact gate, so the same words."""
+    x, wg, _, _ = integer_mlp(0, m, 128, 512, bias)
+    x = x.at[5].set(0)
+    two_pass = gate_then_pack(x, wg, compression=8, cfg=SMALL_PACK, interpret=interpret)
+    fused = d2t(x, wg, compression=8, cfg=SMALL_D2T, interpret=interpret)
+    _assert_same_words(two_pass, fused, 512, 8)
+    _assert_same_words(two_pass, fmt.pack(reference.hidden(x, wg), 8), 512, 8)
+
+
+@pytest.mark.parametrize(
+    ("h", "kwargs", "message"),
+    [
+        (jnp.zeros((4, 256), jnp.float32), {}, "bfloat16"),
+        (jnp.zeros((4, 2, 256), jnp.bfloat16), {}, "2-D"),
+        (jnp.zeros((4, 320), jnp.bfloat16), {}, "multiple of the TwELL tile"),
+        (jnp.zeros((4, 256), jnp.bfloat16), {"compression": 3}, "compression"),
+        (jnp.zeros((4, 256), jnp.bfloat16), {"cfg": PackConfig(block_m=48)}, "power of two"),
+        (jnp.zeros((4, 256), jnp.bfloat16), {"cfg": PackConfig(prefix="scan")}, "prefix"),
+        (jnp.zeros((0, 256), jnp.bfloat16), {}, "at least one"),
+    ],
+)
+def test_pack_rejects_bad_inputs(h, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        pack_tiles(h, interpret=True, **kwargs)
+
+
+@pytest.mark.parametrize("compression", fmt.COMPRESSIONS)
+@pytest.mark.parametrize("prefix", ["cumsum", "matmul"])
+def test_pack_lowers_for_cuda(compression, prefix):
+    """Production shape (M=16384, N=5632) and the default block sizes."""
+    h = jnp.zeros((16384, 5632), jnp.bfloat16)
+    fn = functools.partial(
+        pack_tiles, compression=compression, cfg=PackConfig(prefix=prefix), interpret=False
+    )
+    assert count_triton_calls(fn, h) == 1
