@@ -128,7 +128,7 @@ def _breakdown(
             impl=config.impl,
             block_rows=config.compact_block_rows,
             block_cols=config.compact_block_cols,
-            num_warps=config.num_warps,
+            num_warps=config.compact_num_warps,
         )
     )
     p = gate(x, wg)

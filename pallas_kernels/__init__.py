@@ -1,19 +1,25 @@
 """Pallas GPU kernels (Triton backend) for TwELL sparse transformer MLPs.
 
-Public API: the inference ops (TwELL), the training op (hybrid ELL + dense tail) and
-its remat residual name; the kernels and formats live in their own modules.
+Public API: the inference ops (TwELL) and their stage configs, the training op (hybrid
+ELL + dense tail) and its remat residual name; the kernels and formats live in their own modules.
 """
 
+from pallas_kernels.d2t import D2TConfig
 from pallas_kernels.ops import TwellStats, twell_gated_mlp, twell_mlp
 from pallas_kernels.sparse_train_op import (
     RESIDUALS_NAME,
     SparseTrainConfig,
     sparse_gated_mlp_train,
 )
+from pallas_kernels.t2d import T2DConfig
+from pallas_kernels.twell_pack import PackConfig
 
 __all__ = [
     "RESIDUALS_NAME",
+    "D2TConfig",
+    "PackConfig",
     "SparseTrainConfig",
+    "T2DConfig",
     "TwellStats",
     "sparse_gated_mlp_train",
     "twell_gated_mlp",

@@ -62,50 +62,34 @@ def _check_blocks(name: str, h: int, block_h: int, chunk: int) -> None:
 
 
 def _compact_kernel(
-    p_ref, tri_ref, counts_ref, cols_ref, vals_ref, fired_ref,
-    *, m, n, width, block_rows, block_cols,
+    p_ref, offsets_ref, _cols_zeros, _vals_zeros, cols_ref, vals_ref, fired_ref,
+    *, m, width, block_rows, block_cols,
 ):  # fmt: skip
-    """One program packs `block_rows` rows, walking N in chunks of `block_cols`.
+    """Program (t, i) packs rows i*BR.. within the column tile t*BC.. .
 
-    In-chunk slot positions come from an inclusive prefix sum computed as a matmul
-    with an upper-triangular ones matrix (a tensor-core op instead of a scan), then a
-    masked scatter store writes the entries below the ELL width.
+    The row's entries of earlier tiles are counted beforehand (`offsets_ref`, [M, T]),
+    so every (row block, tile) is independent: slot = offset + in-tile rank, with the
+    rank from a scan along the tile, and a masked scatter writes the entries below W.
     """
-    pid = pl.program_id(0)
-    rows = pid * block_rows + _grid_iota(block_rows)
+    t, i = pl.program_id(0), pl.program_id(1)
+    rows = i * block_rows + _grid_iota(block_rows)
     row_ok = rows < m
-    lane = _grid_iota(block_cols)
-    rows_bn = jnp.broadcast_to(rows[:, None], (block_rows, block_cols))
-    tri = _triton.load(tri_ref.at[lane[:, None], lane[None, :]])
-
-    def chunk(c, base):
-        col = c * block_cols + lane
-        col_bn = jnp.broadcast_to(col[None, :], (block_rows, block_cols))
-        p = _triton.load(
-            p_ref.at[rows_bn, col_bn], mask=row_ok[:, None], other=0, eviction_policy=_STREAM
-        )
-        pos = p > 0
-        incl = jnp.dot(pos.astype(jnp.bfloat16), tri, preferred_element_type=_F32)
-        slot = base[:, None] + incl.astype(_I32) - 1
-        ok = pos & (slot < width)
-        slot = jnp.where(ok, slot, width)  # masked lanes: an out-of-range slot
-        _triton.store(cols_ref.at[rows_bn, slot], col_bn, mask=ok)
-        _triton.store(vals_ref.at[rows_bn, slot], p, mask=ok)
-        fired = jnp.max(pos.astype(_I32), axis=0)
-        _triton.store(fired_ref.at[pid, col], fired)
-        return base + jnp.sum(pos.astype(_I32), axis=1)
-
-    count = lax.fori_loop(0, n // block_cols, chunk, jnp.zeros((block_rows,), _I32))
-    # Unused slots get 0 so the ELL arrays are fully defined (disjoint from the above).
-    slots = _grid_iota(width)
-    rows_w = jnp.broadcast_to(rows[:, None], (block_rows, width))
-    slots_w = jnp.broadcast_to(slots[None, :], (block_rows, width))
-    unused = (slots_w >= count[:, None]) & row_ok[:, None]
-    _triton.store(cols_ref.at[rows_w, slots_w], jnp.zeros_like(slots_w), mask=unused)
-    _triton.store(
-        vals_ref.at[rows_w, slots_w], jnp.zeros((block_rows, width), vals_ref.dtype), mask=unused
+    col = t * block_cols + _grid_iota(block_cols)
+    rows_b = jnp.broadcast_to(rows[:, None], (block_rows, block_cols))
+    col_b = jnp.broadcast_to(col[None, :], (block_rows, block_cols))
+    p = _triton.load(
+        p_ref.at[rows_b, col_b], mask=row_ok[:, None], other=0, eviction_policy=_STREAM
     )
-    _triton.store(counts_ref.at[rows], count, mask=row_ok)
+    pos = p > 0
+    tile_ids = jnp.full((block_rows,), t, _I32)
+    base = _triton.load(offsets_ref.at[rows, tile_ids], mask=row_ok, other=0)
+    slot = base[:, None] + jnp.cumsum(pos.astype(_I32), axis=1) - 1
+    ok = pos & (slot < width)
+    slot = jnp.where(ok, slot, width)  # masked lanes: an out-of-range slot
+    _triton.store(cols_ref.at[rows_b, slot], col_b, mask=ok)
+    _triton.store(vals_ref.at[rows_b, slot], p, mask=ok)
+    fired = jnp.max(pos.astype(_I32), axis=0)
+    _triton.store(fired_ref.at[jnp.full((block_cols,), i, _I32), col], fired)
 
 
 def compact_rows(
@@ -114,50 +98,58 @@ def compact_rows(
     width: int,
     impl: str = "pallas",
     block_rows: int = 32,
-    block_cols: int = 128,
-    num_warps: int = 4,
+    block_cols: int = 256,
+    num_warps: int = 8,
     interpret: bool | None = None,
 ) -> tuple[EllRows, jax.Array]:
     """Packs the positive entries of a dense gate [M, N] into ELL rows of width W.
+
+    Two passes over p: XLA counts the positives of every (row, column tile) and takes
+    their exclusive prefix along the row; then one Pallas program per (row block,
+    tile) scatters its entries at those offsets. (A single pass that walks N per row
+    block serialises 44 dependent steps per program: 5x slower on the H200.)
 
     Args:
         p: [M, N] bf16 gate pre-activations U (or relu(U)); entries > 0 are the
             pattern and their values are P = relu(U).
         width: W (a power of two).
         impl: "pallas" or "xla".
-        block_rows, block_cols: rows per program and columns per step (powers of two;
-            N must be a multiple of block_cols).
+        block_rows, block_cols: rows and columns per program (powers of two; N must
+            be a multiple of block_cols).
         num_warps: Triton warps per program.
         interpret: Pallas interpret mode (None: interpret unless on a GPU).
 
     Returns:
-        (EllRows with true counts, fired bool [N]).
+        (EllRows with true counts, fired bool [N]). Slots at or past a row's count
+        hold zeros.
     """
     if impl == "xla":
         return compact_rows_ref(p, width)
     m, n = p.shape
     if n % block_cols or not (_is_pow2(block_cols) and _is_pow2(block_rows) and _is_pow2(width)):
         raise ValueError(f"compact_rows: unsupported N={n}, blocks {block_rows}x{block_cols}")
-    grid = pl.cdiv(m, block_rows)
-    lane = jnp.arange(block_cols)
-    tri = (lane[:, None] <= lane[None, :]).astype(jnp.bfloat16)
+    tiles = n // block_cols
+    tile_counts = jnp.sum((p > 0).reshape(m, tiles, block_cols), axis=2, dtype=_I32)
+    ends = jnp.cumsum(tile_counts, axis=1, dtype=_I32)
+    row_blocks = pl.cdiv(m, block_rows)
     kernel = functools.partial(
-        _compact_kernel, m=m, n=n, width=width, block_rows=block_rows, block_cols=block_cols
+        _compact_kernel, m=m, width=width, block_rows=block_rows, block_cols=block_cols
     )
-    counts, cols, vals, fired = _triton.pallas_call(
+    cols, vals, fired = _triton.pallas_call(
         kernel,
         out_shape=(
-            jax.ShapeDtypeStruct((m,), _I32),
             jax.ShapeDtypeStruct((m, width), _I32),
             jax.ShapeDtypeStruct((m, width), p.dtype),
-            jax.ShapeDtypeStruct((grid, n), _I32),
+            jax.ShapeDtypeStruct((row_blocks, n), _I32),
         ),
-        grid=(grid,),
-        compiler_params=_triton.compiler_params(num_warps=num_warps, num_stages=2),
+        grid=(tiles, row_blocks),
+        # The kernel writes entries only; the other slots keep these zeros.
+        input_output_aliases={2: 0, 3: 1},
+        compiler_params=_triton.compiler_params(num_warps=num_warps, num_stages=1),
         interpret=_triton.resolve_interpret(interpret),
         name="twell_compact_rows",
-    )(p, tri)
-    return EllRows(counts, cols, vals), jnp.max(fired, axis=0) > 0
+    )(p, ends - tile_counts, jnp.zeros((m, width), _I32), jnp.zeros((m, width), p.dtype))
+    return EllRows(ends[:, -1], cols, vals), jnp.max(fired, axis=0) > 0
 
 
 # --------------------------------------------------------------------------------------

@@ -53,7 +53,8 @@ class SparseTrainConfig:
             "no tail work". More heavy rows than the largest: dense fallback.
         impl: "pallas" (Triton kernels) or "xla" (same algorithm in plain jnp, for CPU
             and tests: it materialises [M, W, H] gathers).
-        compact_block_rows, compact_block_cols: compaction tile (powers of two).
+        compact_block_rows, compact_block_cols, compact_num_warps: compaction tile
+            (powers of two; one program per tile) and its Triton warps.
         chunk: ELL slots gathered per step of the row kernels (power of two).
         block_h: H columns per program or step of the row kernels (power of two
             dividing H).
@@ -75,7 +76,8 @@ class SparseTrainConfig:
     tail_capacities: tuple[int, ...] = (0, 256, 1024, 2048)
     impl: str = "pallas"
     compact_block_rows: int = 32
-    compact_block_cols: int = 128
+    compact_block_cols: int = 256
+    compact_num_warps: int = 8
     chunk: int = 4
     block_h: int = 2048
     csc_chunk: int = 8
@@ -208,7 +210,7 @@ def _forward(static: _Static, x, wg, wu, wd):
             impl=cfg.impl,
             block_rows=cfg.compact_block_rows,
             block_cols=cfg.compact_block_cols,
-            num_warps=cfg.num_warps,
+            num_warps=cfg.compact_num_warps,
             interpret=static.interpret,
         )
         plan = hf.plan_tail(ell.counts, width, caps)

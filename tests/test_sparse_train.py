@@ -106,11 +106,15 @@ def _kw(interpret):
 
 
 @pytest.mark.parametrize("interpret", MODES)
-def test_compact_rows_matches_reference(interpret):
+@pytest.mark.parametrize(("block_rows", "block_cols"), [(16, 128), (32, 256)])
+def test_compact_rows_matches_reference(interpret, block_rows, block_cols):
+    """Heavy rows past W (true counts kept), empty rows, M not a multiple of the block."""
     x, wg, *_ = make_inputs(0, M, H, N, 8, heavy=(3, 30), zero=(0, 39))
     u = jnp.einsum("mh,nh->mn", x, wg, preferred_element_type=x.dtype)  # pre-relu, as the op
     ell_ref, fired_ref = hf.compact_rows_ref(jax.nn.relu(u), 16)
-    ell, fired = st.compact_rows(u, width=16, block_rows=16, block_cols=128, interpret=interpret)
+    ell, fired = st.compact_rows(
+        u, width=16, block_rows=block_rows, block_cols=block_cols, interpret=interpret
+    )
     np.testing.assert_array_equal(ell.counts, ell_ref.counts)
     np.testing.assert_array_equal(ell.cols, ell_ref.cols)
     np.testing.assert_array_equal(_f32(ell.vals), _f32(ell_ref.vals))
