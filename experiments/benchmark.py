@@ -32,7 +32,9 @@ from pallas_kernels import d2t as d2t_mod
 from pallas_kernels import ops, reference, twell_pack
 from pallas_kernels import t2d as t2d_mod
 from pallas_kernels import twell_format as fmt
+from pallas_kernels.sparse_train_op import SparseTrainConfig
 from twell_jax import data
+from twell_jax.config import with_overrides
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("mode", "kernel", ["kernel", "tune", "train", "model"], "What to measure.")
@@ -40,6 +42,7 @@ flags.DEFINE_list("model_presets", ["1.5b", "2b"], "Presets of --mode=model.")
 flags.DEFINE_float("model_nnz", 29.0, "Positive gate entries per token of --mode=model.")
 flags.DEFINE_integer("model_batch", 64, "Sequences per forward of --mode=model.")
 flags.DEFINE_integer("model_seq", 2048, "Sequence length of --mode=model.")
+flags.DEFINE_list("model_compressions", ["8"], "TwELL compressions C of --mode=model.")
 flags.DEFINE_list(
     "model_workdirs",
     [],
@@ -76,6 +79,9 @@ flags.DEFINE_multi_string(
     "Pack kernel block_m,num_warps,prefix to try in --mode=tune.",
 )
 flags.DEFINE_list("train_nnz", ["10", "29", "50", "100"], "Densities of --mode=train.")
+flags.DEFINE_multi_string(
+    "train_config", [], "key=value SparseTrainConfig overrides of --mode=train (repeatable)."
+)
 flags.DEFINE_integer("train_tokens", 16384, "M of --mode=train (per-GPU micro-batch).")
 flags.DEFINE_integer("reps", 30, "Timed calls per measurement (median reported).")
 flags.DEFINE_integer("warmup", 5, "Untimed calls first.")
@@ -256,6 +262,9 @@ def main(argv):
             N=n,
             nnz_targets=tuple(float(v) for v in FLAGS.train_nnz),
             reps=FLAGS.reps,
+            config=with_overrides(
+                SparseTrainConfig(), dict(kv.split("=", 1) for kv in FLAGS.train_config)
+            ),
         )
     elif FLAGS.mode == "model":
         result["cases"] = benchmark_model.run(
@@ -264,6 +273,7 @@ def main(argv):
             batch=FLAGS.model_batch,
             seq=FLAGS.model_seq,
             reps=FLAGS.reps,
+            compressions=tuple(int(c) for c in FLAGS.model_compressions),
         )
         if FLAGS.model_workdirs:
             result["trained"] = benchmark_model.run_trained(

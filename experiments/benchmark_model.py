@@ -76,49 +76,69 @@ def synthetic_sparse_state(
     return state, np.asarray(layer_l0(state))
 
 
-def _compare(cfg: ModelConfig, state, tokens: jax.Array, reps: int) -> dict:
+def _body_fn(cfg: ModelConfig):
+    graphdef = train.model_graphdef(dataclasses.replace(cfg, remat=False))
+    body = jax.jit(lambda s, t: nnx.merge(graphdef, s).body(t))
+    stats = jax.jit(lambda s, t: nnx.merge(graphdef, s)._body(t, None)[1])
+    return body, stats
+
+
+def _compare(
+    cfg: ModelConfig, state, tokens: jax.Array, reps: int, compressions=(8,)
+) -> list[dict]:
     """Times the model body with dense and twell FFNs on the same bf16 parameters.
 
     Args:
-      cfg: the model config (ffn_impl is overridden).
+      cfg: the model config (ffn_impl and twell_compression are overridden).
       state: parameters for `nnx.merge` (an nnx.State or a pure dict).
       tokens: [B, S] int32.
+      compressions: the TwELL compressions C to time (the dense body is timed once).
 
     Returns:
-      ms and tokens/ms of each, the speedup, twell's measured l0 and overflowed tiles, and
-      the body output's error of twell against dense.
+      one record per C: ms and tokens/ms of each path, the speedup, twell's measured
+      l0 and overflowed tiles, and the body output's error of twell against dense.
     """
     n_tokens = tokens.size
-    rec, outs = {}, {}
-    for impl in ("dense", "twell"):
-        impl_cfg = dataclasses.replace(cfg, ffn_impl=impl, remat=False)
-        graphdef = train.model_graphdef(impl_cfg)
-        body = jax.jit(lambda s, t, g=graphdef: nnx.merge(g, s).body(t))
-        outs[impl] = body(state, tokens)
-        t = bu.time_fn(body, state, tokens, warmup=3, reps=reps)
-        rec[f"{impl}_ms"] = t["median_ms"]
-        rec[f"{impl}_tokens_per_ms"] = n_tokens / t["median_ms"]
-        if impl == "twell":
-            stats = jax.jit(lambda s, t, g=graphdef: nnx.merge(g, s)._body(t, None)[1])
-            s = stats(state, tokens)
-            rec["twell_l0_per_layer"] = [float(v) for v in s["l0"]]
-            rec["twell_l0_mean"] = float(jnp.mean(s["l0"]))
-            rec["twell_overflow_tiles"] = int(jnp.sum(s["overflow_tiles"]))
-    rec["speedup"] = rec["dense_ms"] / rec["twell_ms"]
-    rec.update({f"body_{k}": v for k, v in bu.errors(outs["twell"], outs["dense"]).items()})
-    return rec
+    dense_body, _ = _body_fn(dataclasses.replace(cfg, ffn_impl="dense"))
+    dense_out = dense_body(state, tokens)
+    dense_ms = bu.time_fn(dense_body, state, tokens, warmup=3, reps=reps)["median_ms"]
+    records = []
+    for c in compressions:
+        body, stats = _body_fn(dataclasses.replace(cfg, ffn_impl="twell", twell_compression=c))
+        out = body(state, tokens)
+        twell_ms = bu.time_fn(body, state, tokens, warmup=3, reps=reps)["median_ms"]
+        s = stats(state, tokens)
+        rec = {
+            "compression": c,
+            "dense_ms": dense_ms,
+            "dense_tokens_per_ms": n_tokens / dense_ms,
+            "twell_ms": twell_ms,
+            "twell_tokens_per_ms": n_tokens / twell_ms,
+            "speedup": dense_ms / twell_ms,
+            "twell_l0_per_layer": [float(v) for v in s["l0"]],
+            "twell_l0_mean": float(jnp.mean(s["l0"])),
+            "twell_overflow_tiles": int(jnp.sum(s["overflow_tiles"])),
+        }
+        rec.update({f"body_{k}": v for k, v in bu.errors(out, dense_out).items()})
+        records.append(rec)
+    return records
 
 
 def run(
-    presets=("1.5b", "2b"), nnz: float = 29.0, batch: int = 64, seq: int = 2048, reps: int = 10
+    presets=("1.5b", "2b"),
+    nnz: float = 29.0,
+    batch: int = 64,
+    seq: int = 2048,
+    reps: int = 10,
+    compressions=(8,),
 ) -> list[dict]:
-    """tokens/ms of the model body for each preset, dense and twell, same weights."""
+    """tokens/ms of the model body for each preset and C, dense and twell, same weights."""
     records = []
     for preset in presets:
         state, calib_l0 = synthetic_sparse_state(preset, nnz)
         cfg = model_preset(preset)
         tokens = jax.random.randint(jax.random.key(7), (batch, seq), 0, cfg.vocab_size)
-        rec = {
+        head = {
             "preset": preset,
             "tokens": batch * seq,
             "target_nnz": nnz,
@@ -126,9 +146,9 @@ def run(
             "calibration_l0_min": float(calib_l0.min()),
             "calibration_l0_max": float(calib_l0.max()),
         }
-        rec.update(_compare(cfg, state, tokens, reps))
-        records.append(rec)
-        print(rec, flush=True)
+        for rec in _compare(cfg, state, tokens, reps, compressions):
+            records.append({**head, **rec})
+            print(records[-1], flush=True)
         del state
     return records
 
@@ -169,16 +189,13 @@ def run_trained(
             data_dir, seq_len=cfg.model.seq_len, batch_size=batch, seed=cfg.seed
         )
         tokens = jnp.asarray(next(data.make_val_iterator(data_cfg, 1))["inputs"])
-        for c in compressions:
-            model_cfg = dataclasses.replace(cfg.model, twell_compression=c)
-            rec = {
-                "workdir": str(workdir),
-                "step": step,
-                "l1_coef": cfg.sparsity.l1_coef,
-                "tokens": int(tokens.size),
-                "compression": c,
-            }
-            rec.update(_compare(model_cfg, params, tokens, reps))
-            records.append(rec)
-            print(rec, flush=True)
+        head = {
+            "workdir": str(workdir),
+            "step": step,
+            "l1_coef": cfg.sparsity.l1_coef,
+            "tokens": int(tokens.size),
+        }
+        for rec in _compare(cfg.model, params, tokens, reps, compressions):
+            records.append({**head, **rec})
+            print(records[-1], flush=True)
     return records

@@ -40,7 +40,8 @@ _WORKDIR = flags.DEFINE_string(
     "workdir", None, "Run directory (checkpoints, metrics); default runs/<preset>."
 )
 _DATA_DIR = flags.DEFINE_string(
-    "data_dir", _DEFAULT_DATA_DIR,
+    "data_dir",
+    _DEFAULT_DATA_DIR,
     "Prepared corpus (experiments.prepare_data). The default is prepared from the Python "
     "stdlib on first use.",
 )
@@ -50,7 +51,8 @@ _STOP_AT = flags.DEFINE_integer(
 )
 _MAX_TO_KEEP = flags.DEFINE_integer("max_to_keep", 3, "Checkpoints kept (0: all).")
 _DISTRIBUTED = flags.DEFINE_bool(
-    "distributed", False,
+    "distributed",
+    False,
     "Call jax.distributed.initialize() first (multi-host runs). On SLURM / Open MPI / "
     "cloud TPU it finds its peers itself; elsewhere set the three flags below.",
 )
@@ -71,17 +73,22 @@ _FIELDS = {
     "weight_decay": ("optim.weight_decay", flags.DEFINE_float, "AdamW weight decay."),
     "clip_norm": ("optim.clip_norm", flags.DEFINE_float, "Global gradient-norm clip."),
     "grad_accum_steps": (
-        "optim.grad_accum_steps", flags.DEFINE_integer,
+        "optim.grad_accum_steps",
+        flags.DEFINE_integer,
         "Micro-batches per step (the micro-batch is batch_size / grad_accum_steps).",
     ),
     "batch_size": ("batch_size", flags.DEFINE_integer, "Global batch in sequences per step."),
     "seq_len": ("model.seq_len", flags.DEFINE_integer, "Tokens per sequence."),
     "l1_coef": ("sparsity.l1_coef", flags.DEFINE_float, "L1 activation penalty lambda."),
     "l1_warmup_steps": (
-        "sparsity.l1_warmup_steps", flags.DEFINE_integer, "Steps of the linear lambda ramp."
+        "sparsity.l1_warmup_steps",
+        flags.DEFINE_integer,
+        "Steps of the linear lambda ramp.",
     ),
     "reinit_dead_every": (
-        "sparsity.reinit_dead_every", flags.DEFINE_integer, "Dead-neuron re-init period."
+        "sparsity.reinit_dead_every",
+        flags.DEFINE_integer,
+        "Dead-neuron re-init period.",
     ),
     "ffn_impl": ("model.ffn_impl", flags.DEFINE_string, "dense | twell | sparse."),
     "ffn_variant": ("model.ffn_variant", flags.DEFINE_string, "gated_relu | relu | gated_silu."),
@@ -106,7 +113,8 @@ def resolve_config() -> config_lib.TrainConfig:
     """
     cfg = config_lib.train_preset(_PRESET.value)
     overrides: dict[str, Any] = {
-        _FIELDS[name][0]: flag.value for name, flag in _FIELD_FLAGS.items()
+        _FIELDS[name][0]: flag.value
+        for name, flag in _FIELD_FLAGS.items()
         if flag.value is not None
     }
     if _MESH_DATA.value is not None or _MESH_FSDP.value is not None:
@@ -148,8 +156,11 @@ def main(argv):
         )
     cfg = resolve_config()
     workdir = _WORKDIR.value or f"runs/{_PRESET.value}"
-    logging.info("resolved config (preset %s):\n%s", _PRESET.value,
-                 json.dumps(config_lib.config_to_dict(cfg), indent=2))
+    logging.info(
+        "resolved config (preset %s):\n%s",
+        _PRESET.value,
+        json.dumps(config_lib.config_to_dict(cfg), indent=2),
+    )
     logging.info("workdir %s, data_dir %s, resume %s", workdir, _DATA_DIR.value, _RESUME.value)
 
     if _DATA_DIR.value == _DEFAULT_DATA_DIR:
@@ -161,8 +172,10 @@ def main(argv):
         max_to_keep=_MAX_TO_KEEP.value or None,
         resume=_RESUME.value,
         stop_at=_STOP_AT.value,
-        plot_title=(f"{_PRESET.value}: {cfg.model.ffn_variant}/{cfg.model.ffn_impl}, "
-                    f"L1 {sp.l1_coef:g} (warmup {sp.l1_warmup_steps})"),
+        plot_title=(
+            f"{_PRESET.value}: {cfg.model.ffn_variant}/{cfg.model.ffn_impl}, "
+            f"L1 {sp.l1_coef:g} (warmup {sp.l1_warmup_steps})"
+        ),
     )
     summary = train_loop.run(cfg, opts)
     logging.info("summary: %s", json.dumps(summary))

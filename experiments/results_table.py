@@ -1,6 +1,6 @@
 """Renders the README's results tables from the JSON under results/.
 
-    python -m experiments.results_table results/kernel_h200.json [results/train_h200.json]
+python -m experiments.results_table results/kernel_h200.json [results/train_h200.json]
 """
 
 from __future__ import annotations

@@ -87,8 +87,11 @@ class _StopRequest:
 
     def _handle(self, signum, frame):
         del frame
-        logging.warning("%s: stopping at the next step boundary and saving a checkpoint "
-                        "(again to abort without saving)", signal.Signals(signum).name)
+        logging.warning(
+            "%s: stopping at the next step boundary and saving a checkpoint "
+            "(again to abort without saving)",
+            signal.Signals(signum).name,
+        )
         self.requested = True
         self._restore()
 
@@ -210,8 +213,13 @@ class _Trainer:
             (self.workdir / CONFIG_FILE).write_text(config_json)
 
         mesh = train.make_mesh(*cfg.mesh_shape)
-        logging.info("mesh %s over %d %s device(s), %d process(es)", dict(mesh.shape),
-                     mesh.size, jax.default_backend(), jax.process_count())
+        logging.info(
+            "mesh %s over %d %s device(s), %d process(es)",
+            dict(mesh.shape),
+            mesh.size,
+            jax.default_backend(),
+            jax.process_count(),
+        )
         self.sharding = train.batch_sharding(mesh)
         data_cfg = data.DataConfig(
             opts.data_dir, seq_len=cfg.model.seq_len, batch_size=cfg.batch_size, seed=cfg.seed
@@ -249,8 +257,11 @@ class _Trainer:
                 # The first step compiles; time it apart so that tokens/s is throughput.
                 jax.block_until_ready(step_metrics)
                 compiled = True
-                logging.info("step %d: compiled and ran in %.1f s", self.step,
-                             time.perf_counter() - interval_start)
+                logging.info(
+                    "step %d: compiled and ran in %.1f s",
+                    self.step,
+                    time.perf_counter() - interval_start,
+                )
                 interval_start = time.perf_counter()
             else:
                 interval_steps += 1
@@ -260,8 +271,10 @@ class _Trainer:
                 # Dispatch is asynchronous: wait for the device before reading the clock.
                 jax.block_until_ready(pending[-1])
                 elapsed = time.perf_counter() - interval_start
-                self._log(pending, interval_steps * cfg.tokens_per_step / elapsed
-                          if interval_steps else None)
+                self._log(
+                    pending,
+                    interval_steps * cfg.tokens_per_step / elapsed if interval_steps else None,
+                )
                 pending, interval_steps = [], 0
                 interval_start = time.perf_counter()
             if self.evaluate.enabled and (self.step % cfg.eval_every == 0 or self.step == total):
@@ -281,8 +294,7 @@ class _Trainer:
                 break
         self._save()
         self.ckpt.wait()
-        logging.info("done at step %d/%d; checkpoints %s", self.step, total,
-                     self.ckpt.all_steps())
+        logging.info("done at step %d/%d; checkpoints %s", self.step, total, self.ckpt.all_steps())
         self.summary["step"] = self.step
         return self.summary
 
@@ -301,8 +313,13 @@ class _Trainer:
     def _eval(self) -> None:
         t0 = time.perf_counter()
         val_ce = self.evaluate(self.state.params)
-        logging.info("step %6d  val ce %.4f  (%d batches, %.1f s)", self.step, val_ce,
-                     self.cfg.eval_batches, time.perf_counter() - t0)
+        logging.info(
+            "step %6d  val ce %.4f  (%d batches, %.1f s)",
+            self.step,
+            val_ce,
+            self.cfg.eval_batches,
+            time.perf_counter() - t0,
+        )
         if self.writer:
             self.writer.write({"step": self.step, "kind": "eval", "val_ce": val_ce})
         self.summary["val_ce"] = val_ce
@@ -311,8 +328,9 @@ class _Trainer:
     def _save(self) -> None:
         """Starts an async checkpoint of the current step unless it is already saved."""
         if self.saved_step != self.step:
-            self.ckpt.save(self.step, self.state, self.train_iter.get_state(),
-                           config_to_dict(self.cfg))
+            self.ckpt.save(
+                self.step, self.state, self.train_iter.get_state(), config_to_dict(self.cfg)
+            )
             self.saved_step = self.step
             logging.info("checkpoint step %d (async) -> %s", self.step, self.ckpt.directory)
 
