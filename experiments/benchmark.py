@@ -42,7 +42,7 @@ flags.DEFINE_list("model_presets", ["1.5b", "2b"], "Presets of --mode=model.")
 flags.DEFINE_float("model_nnz", 29.0, "Positive gate entries per token of --mode=model.")
 flags.DEFINE_integer("model_batch", 64, "Sequences per forward of --mode=model.")
 flags.DEFINE_integer("model_seq", 2048, "Sequence length of --mode=model.")
-flags.DEFINE_list("model_compressions", ["8"], "TwELL compressions C of --mode=model.")
+flags.DEFINE_list("model_compressions", ["2", "8"], "TwELL compressions C of --mode=model.")
 flags.DEFINE_list(
     "model_workdirs",
     [],

@@ -62,6 +62,8 @@ class SparseTrainConfig:
             H blocks spread very active neurons over more programs and keep the
             gathered x / gO columns (2 M csc_block_h bf16) within L2.
         num_warps, num_stages: Triton launch parameters of the gather kernels.
+        fallback_block_rows: rows per step of the dense fallback (a loop of dense
+            blocks, so that its [rows, N] temporaries stay far below the dense MLP's).
         fuse_fwd_rows, fuse_bwd_rows: one row kernel for the forward (SDDMM + SpMM,
             Wu and Wd gathered: 46 MB of weights at production shapes) / backward
             (SDDMM + dx SpMM, Wd, Wu and Wg: 69 MB, more than the H200's L2) instead of
@@ -75,9 +77,10 @@ class SparseTrainConfig:
     ell_width: int = 128
     tail_capacities: tuple[int, ...] = (0, 256, 1024, 2048)
     impl: str = "pallas"
-    compact_block_rows: int = 32
+    compact_block_rows: int = 16  # H200, M=16384: 0.46 ms (32 rows / 8 warps: 0.52)
     compact_block_cols: int = 256
-    compact_num_warps: int = 8
+    compact_num_warps: int = 4
+    fallback_block_rows: int = 2048
     chunk: int = 4
     block_h: int = 2048
     csc_chunk: int = 8
@@ -94,12 +97,14 @@ class SparseTrainConfig:
         if self.impl not in ("pallas", "xla"):
             raise ValueError(f"impl must be 'pallas' or 'xla', got {self.impl!r}")
         pow2 = ("ell_width", "compact_block_rows", "compact_block_cols", "chunk", "block_h")
-        for name in (*pow2, "csc_chunk", "csc_block_h"):
+        for name in (*pow2, "csc_chunk", "csc_block_h", "compact_num_warps"):
             v = getattr(self, name)
             if v <= 0 or v & (v - 1):
                 raise ValueError(f"{name} must be a power of two, got {v}")
         if self.ell_width % self.chunk:
             raise ValueError(f"ell_width {self.ell_width} is not a multiple of chunk {self.chunk}")
+        if self.fallback_block_rows < 1:
+            raise ValueError(f"fallback_block_rows must be >= 1, got {self.fallback_block_rows}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +155,62 @@ def _dense_block(x, wg, wu, wd):
     hid = gated_hidden(x, wg, wu)
     out = jnp.einsum("mn,nh->mh", hid, wd)
     return out.astype(x.dtype), jnp.sum(jnp.abs(hid.astype(_F32)))
+
+
+def _row_block(i, block: int, m: int):
+    """Start of row block i (clamped so the last block ends at M) and its new rows [B, 1].
+
+    The clamped last block overlaps the one before; rows that block already handled are
+    masked out rather than padded, so no [M, H] copy is needed.
+    """
+    start = jnp.minimum(i * block, m - block)
+    fresh = start + jnp.arange(block, dtype=jnp.int32) >= i * block
+    return start, fresh[:, None]
+
+
+def _dense_fallback_fwd(x, wg, wu, wd, block_rows: int):
+    """`_dense_block` over blocks of rows: (out [M, H], sum |h|) with O(block N) temps.
+
+    The fallback branch shares the op's memory plan, so a whole-M dense block would make
+    the sparse op's peak memory that of the dense MLP.
+    """
+    m = x.shape[0]
+    b = min(block_rows, m)
+
+    def step(i, carry):
+        out, l1 = carry
+        start, fresh = _row_block(i, b, m)
+        xb = jnp.where(fresh, lax.dynamic_slice_in_dim(x, start, b), 0)  # 0 rows: h = 0
+        out_b, l1_b = _dense_block(xb, wg, wu, wd)
+        out_b = jnp.where(fresh, out_b, lax.dynamic_slice_in_dim(out, start, b))
+        return lax.dynamic_update_slice_in_dim(out, out_b, start, 0), l1 + l1_b
+
+    return lax.fori_loop(0, -(-m // b), step, (jnp.zeros_like(x), jnp.zeros((), _F32)))
+
+
+def _dense_fallback_bwd(x, g_out, wg, wu, wd, scale, block_rows: int):
+    """Gradients of `_dense_block` over blocks of rows: (dx, dWg, dWu, dWd).
+
+    Weight gradients are summed over blocks in fp32, then rounded to the weights' dtype.
+    """
+    m = x.shape[0]
+    b = min(block_rows, m)
+    weights = (wg, wu, wd)
+
+    def step(i, carry):
+        dx, dws = carry
+        start, fresh = _row_block(i, b, m)
+        xb = jnp.where(fresh, lax.dynamic_slice_in_dim(x, start, b), 0)
+        gb = jnp.where(fresh, lax.dynamic_slice_in_dim(g_out, start, b), 0)
+        _, vjp = jax.vjp(_dense_block, xb, *weights)
+        dx_b, *dw_b = vjp((gb, scale))
+        dx_b = jnp.where(fresh, dx_b, lax.dynamic_slice_in_dim(dx, start, b))
+        dx = lax.dynamic_update_slice_in_dim(dx, dx_b, start, 0)
+        return dx, tuple(a + d.astype(_F32) for a, d in zip(dws, dw_b, strict=True))
+
+    zeros = tuple(jnp.zeros(w.shape, _F32) for w in weights)
+    dx, dws = lax.fori_loop(0, -(-m // b), step, (jnp.zeros_like(x), zeros))
+    return (dx, *(d.astype(w.dtype) for d, w in zip(dws, weights, strict=True)))
 
 
 def _gather_rows(a, rows):
@@ -235,7 +296,8 @@ def _forward(static: _Static, x, wg, wu, wd):
         return out, jnp.sum(l1_rows) + l1_t, r, t
 
     def dense(_):
-        out, l1_sum = _dense_block(x, wg, wu, wd)
+        with jax.named_scope("twell_dense_fallback_fwd"):
+            out, l1_sum = _dense_fallback_fwd(x, wg, wu, wd, cfg.fallback_block_rows)
         zeros = jnp.zeros_like(ell.vals)
         return out, l1_sum, zeros, zeros
 
@@ -304,8 +366,8 @@ def _op_bwd(static, res, cts):
         return dx, dwg, dwu, dwd
 
     def dense(_):
-        _, vjp = jax.vjp(_dense_block, x, wg, wu, wd)
-        return vjp((g_out, scale))
+        with jax.named_scope("twell_dense_fallback_bwd"):
+            return _dense_fallback_bwd(x, g_out, wg, wu, wd, scale, cfg.fallback_block_rows)
 
     dx, dwg, dwu, dwd = lax.cond(bucket == len(caps), dense, sparse, None)
     return jnp.zeros_like(l1_coef), dx, dwg, dwu, dwd

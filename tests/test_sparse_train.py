@@ -44,6 +44,7 @@ SMALL = dict(
     csc_block_h=128,
     compact_block_rows=16,
     compact_block_cols=128,
+    fallback_block_rows=16,  # 3 blocks over M=40, the last one overlapping
 )
 MODES = [
     pytest.param(True, id="interpret"),
