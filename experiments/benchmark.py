@@ -8,7 +8,8 @@ M in --tokens, H=2048, N=5632, with synthetic gates at --nnz non-zeros per row, 
 density sweep of the whole gated MLP (--sweep_nnz) for the crossover.
 tune: block-size sweep of D2T and launch sweep of GatedT2D at the largest M.
 train: the hybrid sparse training op's value_and_grad against dense XLA
-(experiments/benchmark_train.py), at M=--train_tokens.
+(experiments/benchmark_train.py), at M=--train_tokens; train_tune: its kernels' block
+options (compaction, row kernels, transposed SpMM).
 model: model-body forward throughput, twell against dense FFNs, on synthetic-sparsity
 weights (experiments/benchmark_model.py), and on trained checkpoints (--model_workdirs).
 """
@@ -37,7 +38,9 @@ from twell_jax import data
 from twell_jax.config import with_overrides
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("mode", "kernel", ["kernel", "tune", "train", "model"], "What to measure.")
+flags.DEFINE_enum(
+    "mode", "kernel", ["kernel", "tune", "train", "train_tune", "model"], "What to measure."
+)
 flags.DEFINE_list("model_presets", ["1.5b", "2b"], "Presets of --mode=model.")
 flags.DEFINE_float("model_nnz", 29.0, "Positive gate entries per token of --mode=model.")
 flags.DEFINE_integer("model_batch", 64, "Sequences per forward of --mode=model.")
@@ -282,6 +285,8 @@ def main(argv):
                 batch=FLAGS.model_batch,
                 reps=FLAGS.reps,
             )
+    elif FLAGS.mode == "train_tune":
+        result["tune"] = benchmark_train.tune(M=FLAGS.train_tokens, H=h, N=n)
     else:
         result["tune"] = tune(max(tokens), *args)
     if FLAGS.out:

@@ -178,16 +178,31 @@ def tune(
     samples: int = 10,
     row_options=((4, 2048, 4), (2, 2048, 4), (8, 1024, 4), (16, 512, 4), (4, 2048, 8)),
     csc_options=((8, 512), (4, 1024), (16, 256), (4, 2048), (32, 256)),
+    compact_options=((32, 256, 8), (16, 256, 4), (8, 256, 4), (16, 128, 4), (16, 256, 8)),
 ) -> list[dict]:
-    """Times the gather kernels over block options; one JSON-able dict per option.
+    """Times the kernels over block options; one JSON-able dict per option.
 
     Args:
         row_options: (chunk, block_h, num_warps) for the four row kernels.
         csc_options: (csc_chunk, csc_block_h) for the transposed SpMM.
+        compact_options: (block_rows, block_cols, num_warps) of the compaction.
     """
     args = synthetic_inputs(0, M, H, N, nnz)
     base = SparseTrainConfig()
     out = []
+    for rows, cols, warps in compact_options:
+        cfg = dataclasses.replace(
+            base, compact_block_rows=rows, compact_block_cols=cols, compact_num_warps=warps
+        )
+        ms = _breakdown(*args, config=cfg, samples=samples, only=("compact",))
+        out.append(
+            {
+                "compact_block_rows": rows,
+                "compact_block_cols": cols,
+                "compact_num_warps": warps,
+                **ms,
+            }
+        )
     for chunk, block_h, warps in row_options:
         cfg = dataclasses.replace(base, chunk=chunk, block_h=block_h, num_warps=warps)
         ms = _breakdown(*args, config=cfg, samples=samples, only=ROW_STAGES)

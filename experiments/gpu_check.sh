@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the GPU test suite, then the benchmarks.
-#   bash experiments/gpu_check.sh [tests|kernel|train|model|tune|quality|l1sweep|all]...
+#   bash experiments/gpu_check.sh [tests|kernel|train|model|tune|memory|quality|l1sweep|all]...
 # Results (JSON and logs) go to $OUT when set (the device tool), else results/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,6 +26,8 @@ for what in "${@:-all}"; do
     model) python3 -m experiments.benchmark --mode=model --reps=10 --out="$OUT/model_h200.json" \
              || status=1 ;;
     tune) python3 -m experiments.benchmark --mode=tune --out="$OUT/tune_h200.json" || status=1 ;;
+    memory) python3 -m experiments.check_train_memory 2>&1 | tee "$OUT/train_memory_h200.log" \
+              || status=1 ;;
     quality)  # issue 3 (a): the 125M L1 run and its dense baseline; QUALITY_ARGS adds flags
       for cfg in 125m 125m_dense; do
         # QUALITY_TIMEOUT_S bounds each run: SIGINT makes the loop save and stop cleanly.

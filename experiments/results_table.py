@@ -11,14 +11,17 @@ import sys
 
 def kernel_tables(res: dict) -> str:
     head = (
-        "| M | nnz/row | dense XLA gated | gate GEMM | D2T | GatedT2D | TwELL gated | speedup "
-        "| max rel err | dense non-gated | T2D | TwELL non-gated | speedup |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "| M | nnz/row | dense XLA gated | gate GEMM | D2T two-pass (pack) | D2T fused "
+        "| GatedT2D | TwELL gated | speedup | max rel err | dense non-gated | T2D "
+        "| TwELL non-gated | speedup |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     rows = [
         f"| {c['M']} | {c['nnz_per_row']:.1f} | {c['dense_gated_ms']:.2f} ms "
-        f"({c['dense_gated_tflops']:.0f} TF/s) | {c['gate_gemm_ms']:.2f} | {c['d2t_ms']:.2f} "
-        f"({c['d2t_over_gemm']:.2f}x GEMM) | {c['gated_t2d_ms']:.2f} | "
+        f"({c['dense_gated_tflops']:.0f} TF/s) | {c['gate_gemm_ms']:.2f} | "
+        f"{c['d2t_two_pass_ms']:.2f} ({c['pack_ms']:.2f}; "
+        f"{c['d2t_two_pass_over_gemm']:.2f}x GEMM) | {c['d2t_ms']:.2f} "
+        f"({c['d2t_over_gemm']:.2f}x) | {c['gated_t2d_ms']:.2f} | "
         f"{c['twell_gated_ms']:.2f} | **{c['speedup_gated']:.2f}x** | "
         f"{c['gated_max_rel_err']:.1e} | {c['dense_mlp_ms']:.2f} | {c['t2d_ms']:.2f} | "
         f"{c['twell_mlp_ms']:.2f} | {c['speedup_nongated']:.2f}x |"
@@ -52,18 +55,26 @@ def train_table(res: dict) -> str:
     return head + "\n".join(rows)
 
 
-def model_table(res: dict) -> str:
-    head = (
-        "| model | tokens | l0 (twell) | dense tokens/ms | twell tokens/ms | change "
-        "| overflow tiles | body norm rel err |\n|---|---|---|---|---|---|---|---|\n"
-    )
-    return head + "\n".join(
-        f"| {c['preset']} | {c['tokens']} | {c['twell_l0_mean']:.1f} | "
+def _model_row(name: str, c: dict) -> str:
+    return (
+        f"| {name} | {c.get('compression', 8)} | {c['tokens']} | {c['twell_l0_mean']:.1f} | "
         f"{c['dense_tokens_per_ms']:.1f} | {c['twell_tokens_per_ms']:.1f} | "
         f"**{100 * (c['speedup'] - 1):+.1f}%** | {c['twell_overflow_tiles']} | "
         f"{c['body_norm_rel_err']:.1e} |"
-        for c in res["cases"]
     )
+
+
+def model_table(res: dict) -> str:
+    head = (
+        "| model | C | tokens | l0 (twell) | dense tokens/ms | twell tokens/ms | change "
+        "| overflow tiles | body norm rel err |\n|---|---|---|---|---|---|---|---|---|\n"
+    )
+    rows = [_model_row(c["preset"], c) for c in res["cases"]]
+    rows += [
+        _model_row(f"125m trained, λ={c['l1_coef']:g} (step {c['step']})", c)
+        for c in res.get("trained", [])
+    ]
+    return head + "\n".join(rows)
 
 
 def main(paths: list[str]) -> None:
