@@ -223,3 +223,45 @@ def test_reduce_interval_and_writer_truncation(tmp_path):
     assert [(r["step"], r["kind"]) for r in metrics.read_metrics(w.path)] == [
         (1, "train"), (2, "train"), (3, "eval")
     ]
+
+
+def test_trained_checkpoint_feeds_the_model_benchmark(straight, data_dir):
+    """benchmark_model restores a pretrain workdir and times its body on val tokens."""
+    import jax
+    import jax.numpy as jnp
+
+    from experiments import benchmark_model
+
+    workdir, _ = straight
+    cfg, params, step = benchmark_model.trained_params(str(workdir))
+    assert step == 6 and cfg.model.d_model == 64 and cfg.sparsity.l1_coef == 1e-3
+    assert {leaf.dtype for leaf in jax.tree.leaves(params)} == {jnp.dtype(jnp.bfloat16)}
+    (rec,) = benchmark_model.run_trained(
+        [str(workdir)], str(data_dir), batch=2, reps=1, compressions=(4,)
+    )
+    assert rec["step"] == 6 and rec["compression"] == 4 and rec["tokens"] == 2 * 32
+    assert len(rec["twell_l0_per_layer"]) == 2 and 0 < rec["twell_l0_mean"] < 256
+    assert rec["body_norm_rel_err"] < 1e-2  # CPU: the twell op's XLA path
+    with pytest.raises(FileNotFoundError, match=r"config\.json"):
+        benchmark_model.trained_params(str(workdir / "checkpoints"))
+
+
+def test_quality_report_table_and_plot(tmp_path, straight):
+    from experiments import quality_report
+
+    workdir, _ = straight
+    records = metrics.read_metrics(workdir / metrics.METRICS_FILE)
+    worse = [
+        {**r, "val_ce": r["val_ce"] * 1.1} if r.get("kind") == "eval" else r for r in records
+    ]
+    summaries = {"base": quality_report.summarize(records), "l1": quality_report.summarize(worse)}
+    assert summaries["base"]["step"] == 6
+    assert summaries["base"]["l1_coef"] == pytest.approx(1e-3)
+    table = quality_report.table(summaries, "base")
+    rows = table.splitlines()[2:]
+    assert rows[0].startswith("| base |") and "+0.00%" in rows[0]
+    assert rows[1].startswith("| l1 |") and "+10.00%" in rows[1]
+    quality_report.plot({"base": records, "l1": worse}, tmp_path / "q.png")
+    assert (tmp_path / "q.png").stat().st_size > 0
+    with pytest.raises(ValueError, match="eval record"):
+        quality_report.summarize([r for r in records if r.get("kind") == "train"])
