@@ -22,7 +22,6 @@ from jax.experimental import pallas as pl
 from pallas_kernels import _triton as tr
 from pallas_kernels import twell_format as fmt
 
-_OUT_OF_TILE = 1 << 20  # a slot index no tile has
 _NT = (((1,), (1,)), ((), ()))  # contract the last dims: a [m, k] x b [n, k] -> [m, n]
 
 
@@ -94,10 +93,7 @@ def _d2t_kernel(x_ref, w_ref, o_ref, *, m, cfg: D2TConfig, slots):
         bits = lax.bitcast_convert_type(acc.astype(jnp.bfloat16), jnp.uint16)
         words = (bits.astype(jnp.uint32) << 16) | columns[None, :]
         keep = positive & (slot < slots) & row_ok[:, None]
-        # Masked-off lanes also get an out-of-tile slot: the interpreter's masked
-        # scatter writes every lane (old value where masked), so duplicate in-tile
-        # slots would clobber real entries there. On the GPU they are not written.
-        slot = jnp.where(keep, slot, _OUT_OF_TILE)
+        slot = jnp.where(keep, slot, fmt.OUT_OF_TILE_SLOT)  # twell_format explains why
         tr.store(o_ref.at[local_rows[:, None], slot], words, mask=keep)
         count = count + jnp.sum(positive.astype(jnp.int32), axis=1)
     tr.store(o_ref.at[:, pl.ds(0, 1)], count.astype(jnp.uint32)[:, None], mask=row_ok[:, None])

@@ -21,6 +21,10 @@ import jax.numpy as jnp
 TILE = 256
 COMPRESSIONS = (8, 4, 2)
 MAX_COLUMNS = 1 << 16
+# A slot index no tile has: the packing kernels send masked-off scatter lanes there,
+# because the Pallas interpreter's masked scatter writes every lane (the old value
+# where masked), so an in-tile slot would clobber a real entry.
+OUT_OF_TILE_SLOT = 1 << 20
 
 
 def slots_per_tile(compression: int) -> int:

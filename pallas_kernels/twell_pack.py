@@ -25,7 +25,6 @@ from pallas_kernels import _triton as tr
 from pallas_kernels import reference
 from pallas_kernels import twell_format as fmt
 
-_OUT_OF_TILE = 1 << 20  # a slot index no tile has (see d2t: interpreter scatter)
 PREFIXES = ("cumsum", "matmul")
 
 
@@ -59,7 +58,7 @@ def _pack_kernel(h_ref, o_ref, *, m, block_m, slots, prefix):
     else:
         inclusive = jnp.cumsum(positive.astype(jnp.int32), axis=1)
     keep = positive & (inclusive < slots)  # slot = inclusive: word 0 is the count
-    slot = jnp.where(keep, inclusive, _OUT_OF_TILE)
+    slot = jnp.where(keep, inclusive, fmt.OUT_OF_TILE_SLOT)
     words = fmt.encode_words(h, tile * fmt.TILE + lane[None, :])
     tr.store(o_ref.at[rows[:, None], slot], words, mask=keep)
     count = jnp.sum(positive.astype(jnp.int32), axis=1)
