@@ -97,9 +97,9 @@ def compact_rows(
     *,
     width: int,
     impl: str = "pallas",
-    block_rows: int = 32,
+    block_rows: int = 16,
     block_cols: int = 256,
-    num_warps: int = 8,
+    num_warps: int = 4,
     interpret: bool | None = None,
 ) -> tuple[EllRows, jax.Array]:
     """Packs the positive entries of a dense gate [M, N] into ELL rows of width W.

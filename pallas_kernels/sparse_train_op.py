@@ -157,6 +157,12 @@ def _dense_block(x, wg, wu, wd):
     return out.astype(x.dtype), jnp.sum(jnp.abs(hid.astype(_F32)))
 
 
+def _row_blocks(m: int, block_rows: int) -> tuple[int, int]:
+    """(number of blocks, rows per block) covering M rows."""
+    b = min(block_rows, m)
+    return -(-m // b), b
+
+
 def _row_block(i, block: int, m: int):
     """Start of row block i (clamped so the last block ends at M) and its new rows [B, 1].
 
@@ -168,6 +174,17 @@ def _row_block(i, block: int, m: int):
     return start, fresh[:, None]
 
 
+def _take_rows(a, start, fresh):
+    """Rows start.. of a (as many as fresh has), zero where not fresh (zero rows: h = 0)."""
+    return jnp.where(fresh, lax.dynamic_slice_in_dim(a, start, fresh.shape[0]), 0)
+
+
+def _put_rows(dst, rows, start, fresh):
+    """dst with its fresh rows from `start` on replaced by `rows`."""
+    old = lax.dynamic_slice_in_dim(dst, start, rows.shape[0])
+    return lax.dynamic_update_slice_in_dim(dst, jnp.where(fresh, rows, old), start, 0)
+
+
 def _dense_fallback_fwd(x, wg, wu, wd, block_rows: int):
     """`_dense_block` over blocks of rows: (out [M, H], sum |h|) with O(block N) temps.
 
@@ -175,17 +192,15 @@ def _dense_fallback_fwd(x, wg, wu, wd, block_rows: int):
     the sparse op's peak memory that of the dense MLP.
     """
     m = x.shape[0]
-    b = min(block_rows, m)
+    n_blocks, b = _row_blocks(m, block_rows)
 
     def step(i, carry):
         out, l1 = carry
         start, fresh = _row_block(i, b, m)
-        xb = jnp.where(fresh, lax.dynamic_slice_in_dim(x, start, b), 0)  # 0 rows: h = 0
-        out_b, l1_b = _dense_block(xb, wg, wu, wd)
-        out_b = jnp.where(fresh, out_b, lax.dynamic_slice_in_dim(out, start, b))
-        return lax.dynamic_update_slice_in_dim(out, out_b, start, 0), l1 + l1_b
+        out_b, l1_b = _dense_block(_take_rows(x, start, fresh), wg, wu, wd)
+        return _put_rows(out, out_b, start, fresh), l1 + l1_b
 
-    return lax.fori_loop(0, -(-m // b), step, (jnp.zeros_like(x), jnp.zeros((), _F32)))
+    return lax.fori_loop(0, n_blocks, step, (jnp.zeros_like(x), jnp.zeros((), _F32)))
 
 
 def _dense_fallback_bwd(x, g_out, wg, wu, wd, scale, block_rows: int):
@@ -194,22 +209,19 @@ def _dense_fallback_bwd(x, g_out, wg, wu, wd, scale, block_rows: int):
     Weight gradients are summed over blocks in fp32, then rounded to the weights' dtype.
     """
     m = x.shape[0]
-    b = min(block_rows, m)
+    n_blocks, b = _row_blocks(m, block_rows)
     weights = (wg, wu, wd)
 
     def step(i, carry):
         dx, dws = carry
         start, fresh = _row_block(i, b, m)
-        xb = jnp.where(fresh, lax.dynamic_slice_in_dim(x, start, b), 0)
-        gb = jnp.where(fresh, lax.dynamic_slice_in_dim(g_out, start, b), 0)
-        _, vjp = jax.vjp(_dense_block, xb, *weights)
-        dx_b, *dw_b = vjp((gb, scale))
-        dx_b = jnp.where(fresh, dx_b, lax.dynamic_slice_in_dim(dx, start, b))
-        dx = lax.dynamic_update_slice_in_dim(dx, dx_b, start, 0)
-        return dx, tuple(a + d.astype(_F32) for a, d in zip(dws, dw_b, strict=True))
+        _, vjp = jax.vjp(_dense_block, _take_rows(x, start, fresh), *weights)
+        dx_b, *dw_b = vjp((_take_rows(g_out, start, fresh), scale))
+        dws = tuple(a + d.astype(_F32) for a, d in zip(dws, dw_b, strict=True))
+        return _put_rows(dx, dx_b, start, fresh), dws
 
     zeros = tuple(jnp.zeros(w.shape, _F32) for w in weights)
-    dx, dws = lax.fori_loop(0, -(-m // b), step, (jnp.zeros_like(x), zeros))
+    dx, dws = lax.fori_loop(0, n_blocks, step, (jnp.zeros_like(x), zeros))
     return (dx, *(d.astype(w.dtype) for d, w in zip(dws, weights, strict=True)))
 
 
