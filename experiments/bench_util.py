@@ -31,6 +31,50 @@ def time_fn(fn, *args, warmup: int = 5, reps: int = 50) -> dict:
     }
 
 
+def time_interleaved(fns: dict, *args, warmup: int = 3, reps: int = 15) -> dict:
+    """Wall times of several functions of the same `args`, called in rotation.
+
+    One round calls every function once, synchronised; `reps` rounds follow `warmup`
+    rounds. Rotating makes clock and thermal drift hit every function alike, which
+    matters when one call takes most of a second and two runs differ by a few
+    percent.
+
+    Args:
+      fns: name -> callable.
+
+    Returns:
+      name -> {"median_ms", "p10_ms", "p90_ms", "reps", "times_ms"}; also
+      "ratios": "<a>/<b>" -> median over rounds of time(a) / time(b) for every ordered
+      pair (a, b) with a listed first.
+    """
+    names = list(fns)
+    for _ in range(warmup):
+        for name in names:
+            jax.block_until_ready(fns[name](*args))
+    times = {name: [] for name in names}
+    for _ in range(reps):
+        for name in names:
+            start = time.perf_counter()
+            jax.block_until_ready(fns[name](*args))
+            times[name].append((time.perf_counter() - start) * 1e3)
+    out = {}
+    for name, ts in times.items():
+        s = sorted(ts)
+        out[name] = {
+            "median_ms": statistics.median(s),
+            "p10_ms": s[len(s) // 10],
+            "p90_ms": s[(len(s) * 9) // 10],
+            "reps": reps,
+            "times_ms": ts,
+        }
+    out["ratios"] = {
+        f"{a}/{b}": statistics.median(ta / tb for ta, tb in zip(times[a], times[b]))
+        for i, a in enumerate(names)
+        for b in names[i + 1 :]
+    }
+    return out
+
+
 def gate_threshold(nnz_per_row: float, n: int, h: int, x_std: float, w_std: float) -> float:
     """Bias that leaves about `nnz_per_row` of N gate pre-activations positive.
 

@@ -88,6 +88,8 @@ def _compare(
 ) -> list[dict]:
     """Times the model body with dense and twell FFNs on the same bf16 parameters.
 
+    All bodies are timed in rotation (`bench_util.time_interleaved`).
+
     Args:
       cfg: the model config (ffn_impl and twell_compression are overridden).
       state: parameters for `nnx.merge` (an nnx.State or a pure dict).
@@ -100,14 +102,20 @@ def _compare(
     """
     n_tokens = tokens.size
     dense_body, _ = _body_fn(dataclasses.replace(cfg, ffn_impl="dense"))
-    dense_out = dense_body(state, tokens)
-    dense_ms = bu.time_fn(dense_body, state, tokens, warmup=3, reps=reps)["median_ms"]
+    bodies = {"dense": dense_body}
+    stats = {}
+    for c in compressions:
+        twell_cfg = dataclasses.replace(cfg, ffn_impl="twell", twell_compression=c)
+        bodies[f"twell_c{c}"], stats[c] = _body_fn(twell_cfg)
+    outs = {name: body(state, tokens) for name, body in bodies.items()}
+    # Dense and every C in rotation: the runs are long and drift by a few percent.
+    timing = bu.time_interleaved(bodies, state, tokens, warmup=2, reps=reps)
+    dense_ms = timing["dense"]["median_ms"]
     records = []
     for c in compressions:
-        body, stats = _body_fn(dataclasses.replace(cfg, ffn_impl="twell", twell_compression=c))
-        out = body(state, tokens)
-        twell_ms = bu.time_fn(body, state, tokens, warmup=3, reps=reps)["median_ms"]
-        s = stats(state, tokens)
+        name = f"twell_c{c}"
+        twell_ms = timing[name]["median_ms"]
+        s = stats[c](state, tokens)
         rec = {
             "compression": c,
             "dense_ms": dense_ms,
@@ -115,11 +123,15 @@ def _compare(
             "twell_ms": twell_ms,
             "twell_tokens_per_ms": n_tokens / twell_ms,
             "speedup": dense_ms / twell_ms,
+            "speedup_median_of_rounds": timing["ratios"][f"dense/{name}"],
+            "dense_p10_p90_ms": [timing["dense"]["p10_ms"], timing["dense"]["p90_ms"]],
+            "twell_p10_p90_ms": [timing[name]["p10_ms"], timing[name]["p90_ms"]],
+            "reps": reps,
             "twell_l0_per_layer": [float(v) for v in s["l0"]],
             "twell_l0_mean": float(jnp.mean(s["l0"])),
             "twell_overflow_tiles": int(jnp.sum(s["overflow_tiles"])),
         }
-        rec.update({f"body_{k}": v for k, v in bu.errors(out, dense_out).items()})
+        rec.update({f"body_{k}": v for k, v in bu.errors(outs[name], outs["dense"]).items()})
         records.append(rec)
     return records
 
