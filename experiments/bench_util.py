@@ -68,7 +68,7 @@ def time_interleaved(fns: dict, *args, warmup: int = 3, reps: int = 15) -> dict:
             "times_ms": ts,
         }
     out["ratios"] = {
-        f"{a}/{b}": statistics.median(ta / tb for ta, tb in zip(times[a], times[b]))
+        f"{a}/{b}": statistics.median(ta / tb for ta, tb in zip(times[a], times[b], strict=True))
         for i, a in enumerate(names)
         for b in names[i + 1 :]
     }

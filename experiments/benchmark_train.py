@@ -150,7 +150,9 @@ def _breakdown(
 
     index = jax.jit(index)
     offsets, *entries = index(cnt, ell.cols, dr, du, t)
-    csc_kw = dict(kw, chunk=config.csc_chunk, block_h=config.csc_block_h)
+    csc_kw = dict(
+        kw, chunk=config.csc_chunk, block_h=config.csc_block_h, num_warps=config.csc_num_warps
+    )
     csc = jax.jit(functools.partial(st.spmm_csc, **csc_kw))
     stages = {
         "gate_gemm": (gate, (x, wg)),
@@ -177,14 +179,14 @@ def tune(
     nnz: float = 29,
     samples: int = 10,
     row_options=((4, 2048, 4), (2, 2048, 4), (8, 1024, 4), (16, 512, 4), (4, 2048, 8)),
-    csc_options=((8, 512), (4, 1024), (16, 256), (4, 2048), (32, 256)),
+    csc_options=((8, 512, 4), (4, 1024, 4), (2, 1024, 4), (4, 2048, 4), (4, 1024, 8)),
     compact_options=((32, 256, 8), (16, 256, 4), (8, 256, 4), (16, 128, 4), (16, 256, 8)),
 ) -> list[dict]:
     """Times the kernels over block options; one JSON-able dict per option.
 
     Args:
         row_options: (chunk, block_h, num_warps) for the four row kernels.
-        csc_options: (csc_chunk, csc_block_h) for the transposed SpMM.
+        csc_options: (csc_chunk, csc_block_h, csc_num_warps) for the transposed SpMM.
         compact_options: (block_rows, block_cols, num_warps) of the compaction.
     """
     args = synthetic_inputs(0, M, H, N, nnz)
@@ -207,10 +209,10 @@ def tune(
         cfg = dataclasses.replace(base, chunk=chunk, block_h=block_h, num_warps=warps)
         ms = _breakdown(*args, config=cfg, samples=samples, only=ROW_STAGES)
         out.append({"chunk": chunk, "block_h": block_h, "num_warps": warps, **ms})
-    for chunk, block_h in csc_options:
-        cfg = dataclasses.replace(base, csc_chunk=chunk, csc_block_h=block_h)
+    for chunk, block_h, warps in csc_options:
+        cfg = dataclasses.replace(base, csc_chunk=chunk, csc_block_h=block_h, csc_num_warps=warps)
         ms = _breakdown(*args, config=cfg, samples=samples, only=("spmm_csc",))
-        out.append({"csc_chunk": chunk, "csc_block_h": block_h, **ms})
+        out.append({"csc_chunk": chunk, "csc_block_h": block_h, "csc_num_warps": warps, **ms})
     return out
 
 

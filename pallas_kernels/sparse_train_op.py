@@ -60,7 +60,8 @@ class SparseTrainConfig:
             dividing H).
         csc_chunk, csc_block_h: the same for the transposed (per-neuron) SpMM; smaller
             H blocks spread very active neurons over more programs and keep the
-            gathered x / gO columns (2 M csc_block_h bf16) within L2.
+            gathered x / gO columns (2 M csc_block_h bf16) within L2; csc_num_warps
+            its Triton warps.
         num_warps, num_stages: Triton launch parameters of the gather kernels.
         fallback_block_rows: rows per step of the dense fallback (a loop of dense
             blocks, so that its [rows, N] temporaries stay far below the dense MLP's).
@@ -85,6 +86,7 @@ class SparseTrainConfig:
     block_h: int = 2048
     csc_chunk: int = 8
     csc_block_h: int = 512
+    csc_num_warps: int = 4
     num_warps: int = 4
     num_stages: int = 1
     fuse_fwd_rows: bool = True
@@ -97,7 +99,7 @@ class SparseTrainConfig:
         if self.impl not in ("pallas", "xla"):
             raise ValueError(f"impl must be 'pallas' or 'xla', got {self.impl!r}")
         pow2 = ("ell_width", "compact_block_rows", "compact_block_cols", "chunk", "block_h")
-        for name in (*pow2, "csc_chunk", "csc_block_h", "compact_num_warps"):
+        for name in (*pow2, "csc_chunk", "csc_block_h", "csc_num_warps", "compact_num_warps"):
             v = getattr(self, name)
             if v <= 0 or v & (v - 1):
                 raise ValueError(f"{name} must be a power of two, got {v}")
@@ -367,7 +369,9 @@ def _op_bwd(static, res, cts):
             csc = hf.build_csc(ell_count, cols, n)
             entries = st.csc_entries(csc, cfg.ell_width, dr, du, t)
         with jax.named_scope("twell_spmm_csc"):
-            kw_csc = dict(kw, chunk=cfg.csc_chunk, block_h=cfg.csc_block_h)
+            kw_csc = dict(
+                kw, chunk=cfg.csc_chunk, block_h=cfg.csc_block_h, num_warps=cfg.csc_num_warps
+            )
             dwu, dwg, dwd = st.spmm_csc(csc.offsets, csc.order, *entries, x, g_out, **kw_csc)
         with jax.named_scope("twell_tail_bwd"):
             branches = [functools.partial(_tail_bwd, cap) for cap in caps]
