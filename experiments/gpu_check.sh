@@ -25,7 +25,7 @@ for what in "${@:-all}"; do
                  || status=1 ;;&
     memory|all) python3 -m experiments.check_train_memory 2>&1 | tee "$OUT/train_memory_h200.log" \
                   || status=1 ;;&
-    model) python3 -m experiments.benchmark --mode=model --reps=10 --out="$OUT/model_h200.json" \
+    model) python3 -m experiments.benchmark --mode=model --reps=15 --model_compressions=2 --out="$OUT/model_h200.json" \
              || status=1 ;;
     tune) python3 -m experiments.benchmark --mode=tune --out="$OUT/tune_h200.json" || status=1 ;;
     quality)  # issue 3 (a): the 125M L1 run and its dense baseline; QUALITY_ARGS adds flags

@@ -632,8 +632,7 @@ def _spmm_csc_kernel(
     Programs take neurons heaviest first (`order`), so the few long loops of very
     active neurons overlap with the many short ones instead of trailing at the end.
     The neuron axis varies fastest, so while one H block is swept only x[:, block] and
-    gO[:, block] are gathered (2 M block_h bf16: 32 MB at M=16384, block_h=512, which
-    fits the H200's L2).
+    gO[:, block] are gathered (2 M block_h bf16: 64 MB at M=16384, block_h=1024).
     """
     nid, hb = order_ref[pl.program_id(0)], pl.program_id(1)
     start, end = off_ref[nid], off_ref[nid + 1]
@@ -688,8 +687,8 @@ def spmm_csc(
     g_out: jax.Array,
     *,
     impl: str = "pallas",
-    chunk: int = 8,
-    block_h: int = 512,
+    chunk: int = 4,
+    block_h: int = 1024,
     num_warps: int = 4,
     num_stages: int = 1,
     interpret: bool | None = None,

@@ -59,17 +59,19 @@ class SparseTrainConfig:
         block_h: H columns per program or step of the row kernels (power of two
             dividing H).
         csc_chunk, csc_block_h: the same for the transposed (per-neuron) SpMM; smaller
-            H blocks spread very active neurons over more programs and keep the
-            gathered x / gO columns (2 M csc_block_h bf16) within L2; csc_num_warps
-            its Triton warps.
+            H blocks spread very active neurons over more programs and shrink the
+            gathered x / gO working set (2 M csc_block_h bf16); csc_num_warps its
+            Triton warps. Measured on the H200 (M=16384, 29 nnz): 4 / 1024 / 4 warps
+            0.54 ms; 8 / 512: 1.00; 4 / 512: 1.39; 4 / 2048: 0.68; 8 warps: 1.45.
         num_warps, num_stages: Triton launch parameters of the gather kernels.
         fallback_block_rows: rows per step of the dense fallback (a loop of dense
             blocks, so that its [rows, N] temporaries stay far below the dense MLP's).
         fuse_fwd_rows, fuse_bwd_rows: one row kernel for the forward (SDDMM + SpMM,
             Wu and Wd gathered: 46 MB of weights at production shapes) / backward
             (SDDMM + dx SpMM, Wd, Wu and Wg: 69 MB, more than the H200's L2) instead of
-            two. The separate SpMMs sweep H in blocks of `block_h` (grid rows fastest),
-            so their weight working set is N block_h per weight.
+            two. Off by default: on the H200 at M=16384 and 29 nnz the separate
+            backward kernels take 0.35 + 0.48 ms against 1.09-1.14 ms fused, and the
+            forward ones 0.60 against 0.61-0.66 (results/train_tune_h200.json).
 
     The row kernels' defaults follow the GatedT2D kernel tuned on the H200 (one row per
     program, 4 whole 4 KB weight rows per step, 4 warps, 1 stage).
@@ -84,13 +86,13 @@ class SparseTrainConfig:
     fallback_block_rows: int = 2048
     chunk: int = 4
     block_h: int = 2048
-    csc_chunk: int = 8
-    csc_block_h: int = 512
+    csc_chunk: int = 4
+    csc_block_h: int = 1024
     csc_num_warps: int = 4
     num_warps: int = 4
     num_stages: int = 1
-    fuse_fwd_rows: bool = True
-    fuse_bwd_rows: bool = True
+    fuse_fwd_rows: bool = False
+    fuse_bwd_rows: bool = False
 
     def __post_init__(self):
         caps = self.tail_capacities
