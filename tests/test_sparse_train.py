@@ -520,15 +520,25 @@ def test_kernel_lowers_for_cuda(name, verified_modules):
     assert len(verified_modules) == 1
 
 
-def test_op_value_and_grad_lowers_for_cuda(verified_modules):
+@pytest.mark.parametrize(
+    "fuse, kernels",
+    [
+        # compaction, SDDMM + SpMM forward; SDDMM, dx SpMM and CSC SpMM backward.
+        pytest.param(False, 6, id="separate-rows"),
+        # compaction and fused rows forward; fused rows and CSC SpMM backward.
+        pytest.param(True, 4, id="fused-rows"),
+    ],
+)
+def test_op_value_and_grad_lowers_for_cuda(fuse, kernels, verified_modules):
+    config = SparseTrainConfig(fuse_fwd_rows=fuse, fuse_bwd_rows=fuse)
+
     def step(x, wg, wu, wd):
         def loss(*a):
-            out, stats = sparse_gated_mlp_train(*a, interpret=False)
+            out, stats = sparse_gated_mlp_train(*a, config=config, interpret=False)
             return jnp.sum(out.astype(jnp.float32)) + 2e-5 * stats["l1"]
 
         return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(x, wg, wu, wd)
 
     txt = lower_for_cuda(step, _z((PM, PH)), _z((PN, PH)), _z((PN, PH)), _z((PN, PH)))
-    # compaction and fused rows forward; fused rows and CSC SpMM backward.
-    assert txt.count(TRITON_CALL) == 4
-    assert len(verified_modules) == 4
+    assert txt.count(TRITON_CALL) == kernels
+    assert len(verified_modules) == kernels
