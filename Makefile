@@ -21,6 +21,7 @@ pretrain: venv
 
 lint: venv
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 # CPU suite (what CI runs): lint, then every test not marked gpu.
 test: lint

@@ -40,9 +40,7 @@ CONFIG_FILE = "config.json"
 # Config keys that may change between a checkpoint and its resumption, on top of the
 # checkpointer's defaults (step counts, cadences): restore reshards onto any mesh, and
 # neither remat nor the inference-only TwELL compression changes the training numbers.
-RESUME_IGNORE_KEYS = (
-    *checkpoint.DEFAULT_IGNORE_KEYS, "mesh_shape", "remat", "twell_compression"
-)
+RESUME_IGNORE_KEYS = (*checkpoint.DEFAULT_IGNORE_KEYS, "mesh_shape", "remat", "twell_compression")
 
 
 @dataclasses.dataclass(frozen=True)

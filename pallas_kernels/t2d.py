@@ -96,8 +96,9 @@ def _t2d_kernel(x_ref, packed_ref, *refs, gated, high_precision, slots, chunk, g
 
     def gather(w_ref, j, ok, c):
         """Rows j [G] of w_ref, columns of chunk c: [G, chunk] fp32 (zeros where not ok)."""
-        rows = tr.load(w_ref.at[j[:, None], col_ids[c]], mask=ok[:, None], other=0.0,
-                       eviction_policy=keep)
+        rows = tr.load(
+            w_ref.at[j[:, None], col_ids[c]], mask=ok[:, None], other=0.0, eviction_policy=keep
+        )
         return rows.astype(jnp.float32)
 
     def round_bf16(v):

@@ -16,7 +16,9 @@ def lower_for_cuda(fn, *args) -> str:
     """Lowers `jax.jit(fn)` for CUDA on abstract args; returns the StableHLO text."""
     specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
     mesh = AbstractMesh(
-        (1,), ("x",), (AxisType.Explicit,),
+        (1,),
+        ("x",),
+        (AxisType.Explicit,),
         abstract_device=AbstractDevice("NVIDIA H100", 1, "cuda"),
     )
     with use_abstract_mesh(mesh):

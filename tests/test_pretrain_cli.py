@@ -42,12 +42,23 @@ TINY_FLAGS = (
 def data_dir(tmp_path_factory) -> Path:
     """A byte-tokenized corpus of 120 short synthetic documents (both splits non-empty)."""
     rng = np.random.default_rng(0)
-    words = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while",
-             "sparse", "neurons", "rarely", "fire"]
-    docs = [
-        data.Document(f"doc{i}.txt", " ".join(rng.choice(words, size=120)))
-        for i in range(120)
+    words = [
+        "the",
+        "quick",
+        "brown",
+        "fox",
+        "jumps",
+        "over",
+        "a",
+        "lazy",
+        "dog",
+        "while",
+        "sparse",
+        "neurons",
+        "rarely",
+        "fire",
     ]
+    docs = [data.Document(f"doc{i}.txt", " ".join(rng.choice(words, size=120))) for i in range(120)]
     out = tmp_path_factory.mktemp("corpus")
     meta = data.prepare_corpus(
         docs, out, tokenizer.load_tokenizer("byte"), source="synthetic", val_fraction=0.2
@@ -72,8 +83,15 @@ def _env(cache_dir: Path) -> dict[str, str]:
 
 
 def _cmd(workdir: Path, data_dir: Path, flags) -> list[str]:
-    return [sys.executable, "-m", "experiments.pretrain", *TINY_FLAGS,
-            f"--data_dir={data_dir}", f"--workdir={workdir}", *flags]
+    return [
+        sys.executable,
+        "-m",
+        "experiments.pretrain",
+        *TINY_FLAGS,
+        f"--data_dir={data_dir}",
+        f"--workdir={workdir}",
+        *flags,
+    ]
 
 
 def run_cli(workdir: Path, data_dir: Path, cache_dir: Path, *flags: str, check: bool = True):
@@ -83,8 +101,14 @@ def run_cli(workdir: Path, data_dir: Path, cache_dir: Path, *flags: str, check: 
       Its combined output, failing the test on a non-zero exit; with check=False the
       CompletedProcess.
     """
-    proc = subprocess.run(_cmd(workdir, data_dir, flags), cwd=REPO, env=_env(cache_dir),
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        _cmd(workdir, data_dir, flags),
+        cwd=REPO,
+        env=_env(cache_dir),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if not check:
         return proc
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -119,8 +143,16 @@ def test_run_writes_outputs(straight):
     assert sorted(train_ce(workdir)) == [1, 2, 3, 4, 5, 6]
     assert sorted(val_ce(workdir)) == [3, 6]
     last = metrics.read_metrics(workdir / metrics.METRICS_FILE)[-2]  # step 6, before eval
-    assert {"loss", "ce", "l1_loss", "l0_mean", "sparsity_mean", "alive_mean", "lr",
-            "tokens_per_s"} <= last.keys()
+    assert {
+        "loss",
+        "ce",
+        "l1_loss",
+        "l0_mean",
+        "sparsity_mean",
+        "alive_mean",
+        "lr",
+        "tokens_per_s",
+    } <= last.keys()
     assert len(last["l0"]) == 2 and 0 < last["l0_mean"] < 256
     assert (workdir / metrics.PLOT_FILE).stat().st_size > 0
     assert json.loads((workdir / "config.json").read_text())["optim"]["total_steps"] == 6
@@ -159,8 +191,13 @@ def test_resume_matches_straight_run(tmp_path, straight, data_dir, cache_dir):
 
 def test_sigint_saves_and_exits(tmp_path, data_dir, cache_dir):
     workdir = tmp_path / "run"
-    proc = subprocess.Popen(_cmd(workdir, data_dir, ["--steps=6"]), cwd=REPO,
-                            env=_env(cache_dir), stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        _cmd(workdir, data_dir, ["--steps=6"]),
+        cwd=REPO,
+        env=_env(cache_dir),
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         # The handler is installed before this line is logged, i.e. before compiling.
         for line in proc.stderr:
@@ -202,10 +239,22 @@ def test_flagfile_resolves(name, monkeypatch):
 
 def test_reduce_interval_and_writer_truncation(tmp_path):
     steps = [
-        {"ce": 2.0, "lr": 1e-3, "l0": np.array([10.0, 20.0]), "sparsity": np.array([0.9, 0.8]),
-         "alive": np.array([1.0, 1.0]), "tail_rows": np.array([1, 0])},
-        {"ce": 4.0, "lr": 2e-3, "l0": np.array([30.0, 40.0]), "sparsity": np.array([0.7, 0.6]),
-         "alive": np.array([0.5, 1.0]), "tail_rows": np.array([2, 3])},
+        {
+            "ce": 2.0,
+            "lr": 1e-3,
+            "l0": np.array([10.0, 20.0]),
+            "sparsity": np.array([0.9, 0.8]),
+            "alive": np.array([1.0, 1.0]),
+            "tail_rows": np.array([1, 0]),
+        },
+        {
+            "ce": 4.0,
+            "lr": 2e-3,
+            "l0": np.array([30.0, 40.0]),
+            "sparsity": np.array([0.7, 0.6]),
+            "alive": np.array([0.5, 1.0]),
+            "tail_rows": np.array([2, 3]),
+        },
     ]
     record = metrics.reduce_interval(steps, step=2, tokens_per_s=100.0)
     assert record["ce"] == 3.0 and record["lr"] == 2e-3  # mean; last value
@@ -222,7 +271,9 @@ def test_reduce_interval_and_writer_truncation(tmp_path):
     with metrics.MetricsWriter(tmp_path, resume_step=2) as w:
         w.write({"step": 3, "kind": "eval", "val_ce": 1.5})
     assert [(r["step"], r["kind"]) for r in metrics.read_metrics(w.path)] == [
-        (1, "train"), (2, "train"), (3, "eval")
+        (1, "train"),
+        (2, "train"),
+        (3, "eval"),
     ]
 
 
@@ -252,9 +303,7 @@ def test_quality_report_table_and_plot(tmp_path, straight):
 
     workdir, _ = straight
     records = metrics.read_metrics(workdir / metrics.METRICS_FILE)
-    worse = [
-        {**r, "val_ce": r["val_ce"] * 1.1} if r.get("kind") == "eval" else r for r in records
-    ]
+    worse = [{**r, "val_ce": r["val_ce"] * 1.1} if r.get("kind") == "eval" else r for r in records]
     summaries = {"base": quality_report.summarize(records), "l1": quality_report.summarize(worse)}
     assert summaries["base"]["step"] == 6
     assert summaries["base"]["l1_coef"] == pytest.approx(1e-3)

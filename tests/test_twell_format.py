@@ -28,8 +28,10 @@ def test_round_trip_without_overflow(compression):
 
 
 def test_entries_are_in_column_order_with_global_columns():
-    h = jnp.zeros((1, 512), jnp.bfloat16).at[0, jnp.array([300, 260, 511])].set(
-        jnp.array([1.5, 2.0, 3.0], jnp.bfloat16)
+    h = (
+        jnp.zeros((1, 512), jnp.bfloat16)
+        .at[0, jnp.array([300, 260, 511])]
+        .set(jnp.array([1.5, 2.0, 3.0], jnp.bfloat16))
     )
     packed = np.asarray(fmt.pack(h, 8))
     tile1 = packed[0, 32:64]

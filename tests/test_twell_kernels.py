@@ -105,8 +105,7 @@ def test_t2d_exact(interpret, compression, gated, bias):
     x, ws, wu, wd = integer_mlp(2, 21, 128, 512, bias)
     x = x.at[4].set(0)
     weights = (ws, wu, wd) if gated else (ws, wd)
-    out = t2d(x, _packed(x, ws, compression), weights, compression=compression,
-              interpret=interpret)
+    out = t2d(x, _packed(x, ws, compression), weights, compression=compression, interpret=interpret)
     want = reference.gated_mlp(x, *weights) if gated else reference.mlp(x, *weights)
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
 
@@ -115,10 +114,17 @@ def test_t2d_exact(interpret, compression, gated, bias):
 @pytest.mark.parametrize("group", [1, 2, 8])
 def test_t2d_entry_groups(interpret, group):
     x, ws, wu, wd = integer_mlp(3, 9, 128, 768, 10.0)
-    out = t2d(x, _packed(x, ws, 4), (ws, wu, wd), compression=4,
-              cfg=T2DConfig(group=group), interpret=interpret)
-    np.testing.assert_array_equal(np.asarray(out, np.float32),
-                                  np.asarray(reference.gated_mlp(x, ws, wu, wd), np.float32))
+    out = t2d(
+        x,
+        _packed(x, ws, 4),
+        (ws, wu, wd),
+        compression=4,
+        cfg=T2DConfig(group=group),
+        interpret=interpret,
+    )
+    np.testing.assert_array_equal(
+        np.asarray(out, np.float32), np.asarray(reference.gated_mlp(x, ws, wu, wd), np.float32)
+    )
 
 
 @pytest.mark.parametrize("interpret", INTERPRET_AND_GPU)
@@ -152,8 +158,9 @@ def test_t2d_random_bf16_rule(interpret, gated):
 def test_t2d_high_precision_is_closer_to_fp32(interpret):
     rng = np.random.default_rng(6)
     x = jnp.asarray(rng.standard_normal((8, 128)), jnp.bfloat16).at[:, 0].set(1)
-    ws, wu, wd = (jnp.asarray(rng.standard_normal((256, 128)) * 0.1, jnp.bfloat16)
-                  for _ in range(3))
+    ws, wu, wd = (
+        jnp.asarray(rng.standard_normal((256, 128)) * 0.1, jnp.bfloat16) for _ in range(3)
+    )
     ws = ws.at[:, 0].set(-0.3)
     packed = _packed(x, ws, 4)
     gate = reference.hidden(x, ws).astype(jnp.float32)
@@ -190,8 +197,14 @@ def test_t2d_lowers_for_cuda(compression, gated, high_precision):
     weights = (w, w, w) if gated else (w, w)
 
     def fn(x, packed, *weights):
-        return t2d(x, packed, weights, compression=compression,
-                   high_precision=high_precision, interpret=False)
+        return t2d(
+            x,
+            packed,
+            weights,
+            compression=compression,
+            high_precision=high_precision,
+            interpret=False,
+        )
 
     assert count_triton_calls(fn, x, packed, *weights) == 1
 

@@ -21,8 +21,9 @@ def _impl(interpret):
 def test_gated_op_exact_with_leading_dims_and_stats(interpret, d2t_config, bias):
     x, wg, wu, wd = integer_mlp(0, 30, 128, 512, bias)
     x3 = x.reshape(2, 15, 128)
-    out, stats = pk.twell_gated_mlp(x3, wg, wu, wd, impl=_impl(interpret), return_stats=True,
-                                    d2t_config=d2t_config)
+    out, stats = pk.twell_gated_mlp(
+        x3, wg, wu, wd, impl=_impl(interpret), return_stats=True, d2t_config=d2t_config
+    )
     assert out.shape == x3.shape and out.dtype == jnp.bfloat16
     want = reference.gated_mlp(x, wg, wu, wd).reshape(x3.shape)
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
@@ -40,10 +41,12 @@ def test_gated_op_exact_with_leading_dims_and_stats(interpret, d2t_config, bias)
 @pytest.mark.parametrize("compression", [8, 2])
 def test_nongated_op_exact(interpret, d2t_config, compression):
     x, wu, _, wd = integer_mlp(1, 19, 128, 256, 8.0)
-    out = pk.twell_mlp(x, wu, wd, compression=compression, impl=_impl(interpret),
-                       d2t_config=d2t_config)
-    np.testing.assert_array_equal(np.asarray(out, np.float32),
-                                  np.asarray(reference.mlp(x, wu, wd), np.float32))
+    out = pk.twell_mlp(
+        x, wu, wd, compression=compression, impl=_impl(interpret), d2t_config=d2t_config
+    )
+    np.testing.assert_array_equal(
+        np.asarray(out, np.float32), np.asarray(reference.mlp(x, wu, wd), np.float32)
+    )
 
 
 @pytest.mark.parametrize("d2t_config", D2T_FORMS)
@@ -62,15 +65,17 @@ def test_xla_impl_matches_kernels_and_stats(d2t_config, gated):
 def test_auto_impl_runs_on_cpu_and_under_jit():
     x, wg, wu, wd = integer_mlp(3, 8, 64, 256, 4.0)
     out = jax.jit(pk.twell_gated_mlp)(x, wg, wu, wd)
-    np.testing.assert_array_equal(np.asarray(out, np.float32),
-                                  np.asarray(reference.gated_mlp(x, wg, wu, wd), np.float32))
+    np.testing.assert_array_equal(
+        np.asarray(out, np.float32), np.asarray(reference.gated_mlp(x, wg, wu, wd), np.float32)
+    )
 
 
 def test_high_precision_xla_path_is_closer_to_fp32():
     rng = np.random.default_rng(4)
     x = jnp.asarray(rng.standard_normal((16, 128)), jnp.bfloat16)
-    wg, wu, wd = (jnp.asarray(rng.standard_normal((256, 128)) * 0.1, jnp.bfloat16)
-                  for _ in range(3))
+    wg, wu, wd = (
+        jnp.asarray(rng.standard_normal((256, 128)) * 0.1, jnp.bfloat16) for _ in range(3)
+    )
     truth = reference.gated_mlp(*(a.astype(jnp.float32) for a in (x, wg, wu, wd)))
     hi = pk.twell_gated_mlp(x, wg, wu, wd, impl="xla", high_precision=True, compression=2)
     lo = pk.twell_gated_mlp(x, wg, wu, wd, impl="xla", compression=2)
@@ -80,8 +85,7 @@ def test_high_precision_xla_path_is_closer_to_fp32():
 
 def test_empty_batch():
     _, wg, wu, wd = integer_mlp(5, 1, 64, 256, 4.0)
-    out, stats = pk.twell_gated_mlp(jnp.zeros((0, 64), jnp.bfloat16), wg, wu, wd,
-                                    return_stats=True)
+    out, stats = pk.twell_gated_mlp(jnp.zeros((0, 64), jnp.bfloat16), wg, wu, wd, return_stats=True)
     assert out.shape == (0, 64) and int(stats.overflow_tiles) == 0
 
 
@@ -93,11 +97,11 @@ def test_gradients_are_the_dense_mlps():
         return jnp.sum(op(*a).astype(jnp.float32) ** 2)
 
     got = jax.grad(lambda *a: loss(pk.twell_gated_mlp, *a), argnums=(0, 1, 2, 3))(x, wg, wu, wd)
-    want = jax.grad(lambda *a: loss(reference.gated_mlp, *a), argnums=(0, 1, 2, 3))(
-        x, wg, wu, wd)
+    want = jax.grad(lambda *a: loss(reference.gated_mlp, *a), argnums=(0, 1, 2, 3))(x, wg, wu, wd)
     for g, w in zip(got, want, strict=True):
-        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
-                                   rtol=1e-2, atol=1e-2)
+        np.testing.assert_allclose(
+            np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=1e-2, atol=1e-2
+        )
 
 
 X = jnp.zeros((4, 128), jnp.bfloat16)

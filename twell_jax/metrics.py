@@ -167,8 +167,7 @@ def plot_metrics(
     fig, (ax_ce, ax_l0) = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
     ax_ce.plot([r["step"] for r in train], [r["ce"] for r in train], label="train CE")
     if evals:
-        ax_ce.plot([r["step"] for r in evals], [r["val_ce"] for r in evals], "o-",
-                   label="val CE")
+        ax_ce.plot([r["step"] for r in evals], [r["val_ce"] for r in evals], "o-", label="val CE")
     ax_ce.set(xlabel="step", ylabel="cross-entropy (nats/token)", title="CE")
     ax_ce.legend()
     ax_ce.grid(alpha=0.3)
@@ -178,8 +177,14 @@ def plot_metrics(
     ax_l0.set(xlabel="step", ylabel="non-zero FFN activations per token", title="l0")
     ax_l0.grid(alpha=0.3)
     ax_sp = ax_l0.twinx()
-    ax_sp.plot(steps, [100 * r["sparsity_mean"] for r in train], color="C3", alpha=0.6,
-               linestyle="--", label="sparsity %")
+    ax_sp.plot(
+        steps,
+        [100 * r["sparsity_mean"] for r in train],
+        color="C3",
+        alpha=0.6,
+        linestyle="--",
+        label="sparsity %",
+    )
     ax_sp.set_ylabel("sparsity % (1 - l0/N)")
     lines = ax_l0.get_lines() + ax_sp.get_lines()
     ax_l0.legend(lines, [line.get_label() for line in lines], loc="center right")
