@@ -90,8 +90,7 @@ def _d2t_kernel(x_ref, w_ref, o_ref, *, m, cfg: D2TConfig, slots):
         )
         slot = prefix.astype(jnp.int32) + count[:, None]  # 1-based: word 0 is the count
         columns = (tile * fmt.TILE + c * chunk + idx).astype(jnp.uint32)
-        bits = lax.bitcast_convert_type(acc.astype(jnp.bfloat16), jnp.uint16)
-        words = (bits.astype(jnp.uint32) << 16) | columns[None, :]
+        words = fmt.encode_words(acc, columns[None, :])
         keep = positive & (slot < slots) & row_ok[:, None]
         slot = jnp.where(keep, slot, fmt.OUT_OF_TILE_SLOT)  # twell_format explains why
         tr.store(o_ref.at[local_rows[:, None], slot], words, mask=keep)
