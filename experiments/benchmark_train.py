@@ -18,13 +18,12 @@ import argparse
 import dataclasses
 import functools
 import json
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments import bench_util as bu
 from pallas_kernels import hybrid_format as hf
 from pallas_kernels import sparse_train as st
 from pallas_kernels.reference import gated_hidden
@@ -68,16 +67,7 @@ def _sparse_loss(x, wg, wu, wd, g, *, config):
 
 def _median_ms(fn, args, samples: int, inner: int = 5, warmup: int = 3) -> float:
     """Median over `samples` of (time of `inner` back-to-back calls) / inner, in ms."""
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(samples):
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            r = fn(*args)
-        jax.block_until_ready(r)
-        times.append((time.perf_counter() - t0) / inner * 1e3)
-    return statistics.median(times)
+    return bu.time_fn(fn, *args, warmup=warmup, reps=samples, inner=inner)["median_ms"]
 
 
 def _peak_bytes() -> int | None:

@@ -25,3 +25,40 @@ def test_time_interleaved_rotates_and_reports_round_ratios():
     assert out["slow"]["median_ms"] > out["fast"]["median_ms"] >= 1.0
     assert set(out["ratios"]) == {"slow/fast"}
     assert out["ratios"]["slow/fast"] == pytest.approx(4.0, rel=0.5)
+
+
+def test_time_fn_reports_per_call_time_of_inner_batches():
+    calls = []
+
+    def fn(x):
+        calls.append(x)
+        time.sleep(0.002)
+        return x
+
+    out = bu.time_fn(fn, 0, warmup=2, reps=3, inner=4)
+    assert len(calls) == 2 + 3 * 4 and out["reps"] == 3
+    assert 2.0 <= out["median_ms"] < 20.0  # per call, not per batch of 4
+
+
+def test_train_benchmark_runs_on_cpu_with_the_xla_kernels():
+    """The --mode=train record on tiny shapes: sparse and dense agree, heavy rows fall back."""
+    from experiments import benchmark_train
+    from pallas_kernels.sparse_train_op import SparseTrainConfig
+
+    cfg = SparseTrainConfig(
+        impl="xla",
+        ell_width=16,
+        tail_capacities=(0, 4),
+        compact_block_cols=128,
+        block_h=64,
+        csc_block_h=64,
+    )
+    light, heavy = benchmark_train.run(
+        M=40, H=64, N=256, nnz_targets=(5, 200), reps=2, config=cfg, breakdown=True
+    )
+    assert 3 < light["l0"] < 8 and light["dense_fallback"] == 0
+    assert heavy["tail_rows"] == 40 and heavy["dense_fallback"] == 1
+    for rec in (light, heavy):
+        assert max(rec["grad_rel_err"].values()) < 2e-2  # bf16, norm-relative
+        assert rec["sparse_ms"] > 0 and rec["dense_ms"] > 0
+        assert {"gate_gemm", "compact", "spmm_csc"} <= set(rec["breakdown_ms"])
