@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the GPU test suite, then the benchmarks.
-#   bash experiments/gpu_check.sh [tests|kernel|train|model|tune|memory|quality|l1sweep|all]...
+#   bash experiments/gpu_check.sh [tests|kernel|train|model|tune|train_tune|memory|quality|l1sweep|all]...
 # Results (JSON and logs) go to $OUT when set (the device tool), else results/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -28,6 +28,8 @@ for what in "${@:-all}"; do
     model) python3 -m experiments.benchmark --mode=model --reps=15 --model_compressions=2 --out="$OUT/model_h200.json" \
              || status=1 ;;
     tune) python3 -m experiments.benchmark --mode=tune --out="$OUT/tune_h200.json" || status=1 ;;
+    train_tune) python3 -m experiments.benchmark --mode=train_tune \
+                  --out="$OUT/train_tune_h200.json" || status=1 ;;
     quality)  # issue 3 (a): the 125M L1 run and its dense baseline; QUALITY_ARGS adds flags
       for cfg in 125m 125m_dense; do
         # QUALITY_TIMEOUT_S bounds each run: SIGINT makes the loop save and stop cleanly.
