@@ -10,6 +10,17 @@ import jax.numpy as jnp
 import numpy as np
 
 
+def _summary(times_ms: list[float]) -> dict:
+    """{"median_ms", "p10_ms", "p90_ms", "reps"} of per-call times in ms."""
+    s = sorted(times_ms)
+    return {
+        "median_ms": statistics.median(s),
+        "p10_ms": s[len(s) // 10],
+        "p90_ms": s[(len(s) * 9) // 10],
+        "reps": len(s),
+    }
+
+
 def time_fn(fn, *args, warmup: int = 5, reps: int = 50, inner: int = 1) -> dict:
     """Wall time of `fn(*args)` per call, synchronised, after `warmup` calls.
 
@@ -27,13 +38,7 @@ def time_fn(fn, *args, warmup: int = 5, reps: int = 50, inner: int = 1) -> dict:
             out = fn(*args)
         jax.block_until_ready(out)
         times.append((time.perf_counter() - start) * 1e3 / inner)
-    times.sort()
-    return {
-        "median_ms": statistics.median(times),
-        "p10_ms": times[len(times) // 10],
-        "p90_ms": times[(len(times) * 9) // 10],
-        "reps": reps,
-    }
+    return _summary(times)
 
 
 def time_interleaved(fns: dict, *args, warmup: int = 3, reps: int = 15) -> dict:
@@ -62,16 +67,7 @@ def time_interleaved(fns: dict, *args, warmup: int = 3, reps: int = 15) -> dict:
             start = time.perf_counter()
             jax.block_until_ready(fns[name](*args))
             times[name].append((time.perf_counter() - start) * 1e3)
-    out = {}
-    for name, ts in times.items():
-        s = sorted(ts)
-        out[name] = {
-            "median_ms": statistics.median(s),
-            "p10_ms": s[len(s) // 10],
-            "p90_ms": s[(len(s) * 9) // 10],
-            "reps": reps,
-            "times_ms": ts,
-        }
+    out = {name: {**_summary(ts), "times_ms": ts} for name, ts in times.items()}
     out["ratios"] = {
         f"{a}/{b}": statistics.median(ta / tb for ta, tb in zip(times[a], times[b], strict=True))
         for i, a in enumerate(names)

@@ -101,26 +101,11 @@ def _breakdown(
     x, wg, wu, wd, g, config: SparseTrainConfig, samples: int, only: tuple[str, ...] = ()
 ) -> dict:
     """Milliseconds of each stage of the sparse step (or of `only`), jitted one at a time."""
-    kw = dict(
-        impl=config.impl,
-        chunk=config.chunk,
-        block_h=config.block_h,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-    )
+    kw = config.row_kernel_kwargs()
     width = config.ell_width
     n = wg.shape[0]
     gate = jax.jit(lambda x, w: jnp.einsum("mh,nh->mn", x, w, preferred_element_type=x.dtype))
-    compact = jax.jit(
-        functools.partial(
-            st.compact_rows,
-            width=width,
-            impl=config.impl,
-            block_rows=config.compact_block_rows,
-            block_cols=config.compact_block_cols,
-            num_warps=config.compact_num_warps,
-        )
-    )
+    compact = jax.jit(functools.partial(st.compact_rows, **config.compact_kwargs()))
     p = gate(x, wg)
     ell, _ = compact(p)
     cnt = hf.ell_counts(ell.counts, width)
@@ -140,10 +125,7 @@ def _breakdown(
 
     index = jax.jit(index)
     offsets, *entries = index(cnt, ell.cols, dr, du, t)
-    csc_kw = dict(
-        kw, chunk=config.csc_chunk, block_h=config.csc_block_h, num_warps=config.csc_num_warps
-    )
-    csc = jax.jit(functools.partial(st.spmm_csc, **csc_kw))
+    csc = jax.jit(functools.partial(st.spmm_csc, **config.csc_kernel_kwargs()))
     stages = {
         "gate_gemm": (gate, (x, wg)),
         "compact": (compact, (p,)),

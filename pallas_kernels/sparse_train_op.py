@@ -110,6 +110,35 @@ class SparseTrainConfig:
         if self.fallback_block_rows < 1:
             raise ValueError(f"fallback_block_rows must be >= 1, got {self.fallback_block_rows}")
 
+    def compact_kwargs(self) -> dict:
+        """Keywords of `sparse_train.compact_rows`."""
+        return dict(
+            width=self.ell_width,
+            impl=self.impl,
+            block_rows=self.compact_block_rows,
+            block_cols=self.compact_block_cols,
+            num_warps=self.compact_num_warps,
+        )
+
+    def row_kernel_kwargs(self) -> dict:
+        """Launch keywords of the row kernels (sddmm_*, spmm_rows, gated_rows_*)."""
+        return dict(
+            impl=self.impl,
+            chunk=self.chunk,
+            block_h=self.block_h,
+            num_warps=self.num_warps,
+            num_stages=self.num_stages,
+        )
+
+    def csc_kernel_kwargs(self) -> dict:
+        """Launch keywords of the transposed SpMM (`spmm_csc`)."""
+        return dict(
+            self.row_kernel_kwargs(),
+            chunk=self.csc_chunk,
+            block_h=self.csc_block_h,
+            num_warps=self.csc_num_warps,
+        )
+
 
 @dataclasses.dataclass(frozen=True)
 class _Static:
@@ -261,15 +290,7 @@ def _tail_bwd(cap, x, g_out, rows, wg, wu, wd, scale, dws):
 
 
 def _kernel_kwargs(static: _Static) -> dict:
-    c = static.config
-    return dict(
-        impl=c.impl,
-        chunk=c.chunk,
-        block_h=c.block_h,
-        num_warps=c.num_warps,
-        num_stages=c.num_stages,
-        interpret=static.interpret,
-    )
+    return dict(static.config.row_kernel_kwargs(), interpret=static.interpret)
 
 
 def _forward(static: _Static, x, wg, wu, wd):
@@ -281,15 +302,7 @@ def _forward(static: _Static, x, wg, wu, wd):
         # keeps the entries > 0, so no separate relu pass over [M, N].
         u = jnp.einsum("mh,nh->mn", x, wg, preferred_element_type=x.dtype)
     with jax.named_scope("twell_compact"):
-        ell, fired = st.compact_rows(
-            u,
-            width=width,
-            impl=cfg.impl,
-            block_rows=cfg.compact_block_rows,
-            block_cols=cfg.compact_block_cols,
-            num_warps=cfg.compact_num_warps,
-            interpret=static.interpret,
-        )
+        ell, fired = st.compact_rows(u, **cfg.compact_kwargs(), interpret=static.interpret)
         plan = hf.plan_tail(ell.counts, width, caps)
         ell_count = hf.ell_counts(ell.counts, width)
     fallback = plan.bucket == len(caps)
@@ -371,9 +384,7 @@ def _op_bwd(static, res, cts):
             csc = hf.build_csc(ell_count, cols, n)
             entries = st.csc_entries(csc, cfg.ell_width, dr, du, t)
         with jax.named_scope("twell_spmm_csc"):
-            kw_csc = dict(
-                kw, chunk=cfg.csc_chunk, block_h=cfg.csc_block_h, num_warps=cfg.csc_num_warps
-            )
+            kw_csc = dict(cfg.csc_kernel_kwargs(), interpret=static.interpret)
             dwu, dwg, dwd = st.spmm_csc(csc.offsets, csc.order, *entries, x, g_out, **kw_csc)
         with jax.named_scope("twell_tail_bwd"):
             branches = [functools.partial(_tail_bwd, cap) for cap in caps]
