@@ -78,8 +78,8 @@ flags.DEFINE_multi_string(
 )
 flags.DEFINE_multi_string(
     "tune_pack_cfg",
-    ["32,8,cumsum", "16,8,cumsum", "16,4,cumsum", "8,4,cumsum", "32,16,cumsum", "64,16,cumsum"],
-    "Pack kernel block_m,num_warps,prefix to try in --mode=tune.",
+    ["8,4,select", "16,4,select", "4,4,select", "8,2,select", "16,8,select", "8,4,cumsum"],
+    "Pack kernel block_m,num_warps,method to try in --mode=tune.",
 )
 flags.DEFINE_list("train_nnz", ["10", "29", "50", "100"], "Densities of --mode=train.")
 flags.DEFINE_multi_string(
@@ -208,8 +208,8 @@ def tune(m: int, h: int, n: int, c: int, reps: int, warmup: int) -> dict:
         row["over_gemm"] = row["ms"] and row["ms"] / gemm_ms
     pack_cfgs = []
     for spec in FLAGS.tune_pack_cfg:
-        bm, warps, prefix = spec.split(",")
-        pack_cfgs.append(twell_pack.PackConfig(int(bm), int(warps), prefix))
+        bm, warps, method = spec.split(",")
+        pack_cfgs.append(twell_pack.PackConfig(int(bm), int(warps), method))
     pack_rows = timed(
         "pack",
         pack_cfgs,

@@ -27,7 +27,7 @@ from experiments import bench_util as bu
 from pallas_kernels import hybrid_format as hf
 from pallas_kernels import sparse_train as st
 from pallas_kernels.reference import gated_hidden
-from pallas_kernels.sparse_train_op import SparseTrainConfig, sparse_gated_mlp_train
+from pallas_kernels.sparse_train_op import ROW_KERNELS, SparseTrainConfig, sparse_gated_mlp_train
 
 L1_COEF = 2e-5
 
@@ -101,30 +101,31 @@ def _breakdown(
     x, wg, wu, wd, g, config: SparseTrainConfig, samples: int, only: tuple[str, ...] = ()
 ) -> dict:
     """Milliseconds of each stage of the sparse step (or of `only`), jitted one at a time."""
-    kw = config.row_kernel_kwargs()
+    kw = {k: config.row_kernel_kwargs(k) for k in ROW_KERNELS}
     width = config.ell_width
-    n = wg.shape[0]
     gate = jax.jit(lambda x, w: jnp.einsum("mh,nh->mn", x, w, preferred_element_type=x.dtype))
     compact = jax.jit(functools.partial(st.compact_rows, **config.compact_kwargs()))
     p = gate(x, wg)
     ell, _ = compact(p)
     cnt = hf.ell_counts(ell.counts, width)
-    sddmm_up = jax.jit(functools.partial(st.sddmm_up, **kw))
+    sddmm_up = jax.jit(functools.partial(st.sddmm_up, **kw["sddmm_up"]))
     r, t, _ = sddmm_up(x, wu, cnt, ell.cols, ell.vals)
-    spmm_down = jax.jit(lambda t, w, c, cols: st.spmm_rows(((t, w),), c, cols, **kw))
+    spmm_down = jax.jit(lambda t, w, c, cols: st.spmm_rows(((t, w),), c, cols, **kw["spmm_down"]))
     scale = jnp.asarray([L1_COEF / x.shape[0]], jnp.float32)
-    sddmm_grad = jax.jit(functools.partial(st.sddmm_grad, **kw))
+    sddmm_grad = jax.jit(functools.partial(st.sddmm_grad, **kw["sddmm_grad"]))
     dr, du = sddmm_grad(g, wd, cnt, ell.cols, ell.vals, r, t, scale)
-    spmm_dx = jax.jit(lambda a, b, w1, w2, c, cols: st.spmm_rows(((a, w1), (b, w2)), c, cols, **kw))
-    rows_fwd = jax.jit(functools.partial(st.gated_rows_fwd, **kw))
-    rows_bwd = jax.jit(functools.partial(st.gated_rows_bwd, **kw))
+    spmm_dx = jax.jit(
+        lambda a, b, w1, w2, c, cols: st.spmm_rows(((a, w1), (b, w2)), c, cols, **kw["spmm_dx"])
+    )
+    rows_fwd = jax.jit(functools.partial(st.gated_rows_fwd, **kw["gated_rows_fwd"]))
+    rows_bwd = jax.jit(functools.partial(st.gated_rows_bwd, **kw["gated_rows_bwd"]))
 
-    def index(c, cols, dr, du, t):
-        csc = hf.build_csc(c, cols, n)
+    def index(c, cols, col_counts, dr, du, t):
+        csc = hf.build_csc(c, cols, col_counts)
         return csc.offsets, csc.order, *st.csc_entries(csc, width, dr, du, t)
 
     index = jax.jit(index)
-    offsets, *entries = index(cnt, ell.cols, dr, du, t)
+    offsets, *entries = index(cnt, ell.cols, ell.col_counts, dr, du, t)
     csc = jax.jit(functools.partial(st.spmm_csc, **config.csc_kernel_kwargs()))
     stages = {
         "gate_gemm": (gate, (x, wg)),
@@ -135,13 +136,10 @@ def _breakdown(
         "spmm_dx": (spmm_dx, (dr, du, wu, wg, cnt, ell.cols)),
         "gated_rows_fwd": (rows_fwd, (x, wu, wd, cnt, ell.cols, ell.vals)),
         "gated_rows_bwd": (rows_bwd, (g, wd, wu, wg, cnt, ell.cols, ell.vals, r, t, scale)),
-        "csc_index": (index, (cnt, ell.cols, dr, du, t)),
+        "csc_index": (index, (cnt, ell.cols, ell.col_counts, dr, du, t)),
         "spmm_csc": (csc, (offsets, *entries, x, g)),
     }
     return {k: _median_ms(f, a, samples) for k, (f, a) in stages.items() if not only or k in only}
-
-
-ROW_STAGES = ("sddmm_up", "spmm_down", "sddmm_grad", "spmm_dx", "gated_rows_fwd", "gated_rows_bwd")
 
 
 def tune(
@@ -203,8 +201,11 @@ def tune(
             }
         )
     for chunk, block_h, warps in row_options:
-        cfg = dataclasses.replace(base, chunk=chunk, block_h=block_h, num_warps=warps)
-        ms = _breakdown(*args, config=cfg, samples=samples, only=ROW_STAGES)
+        # The shared launch for every row kernel (no per-kernel overrides).
+        cfg = dataclasses.replace(
+            base, chunk=chunk, block_h=block_h, num_warps=warps, row_launch=()
+        )
+        ms = _breakdown(*args, config=cfg, samples=samples, only=ROW_KERNELS)
         out.append({"chunk": chunk, "block_h": block_h, "num_warps": warps, **ms})
     for chunk, block_h, warps in csc_options:
         cfg = dataclasses.replace(base, csc_chunk=chunk, csc_block_h=block_h, csc_num_warps=warps)

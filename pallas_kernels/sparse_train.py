@@ -4,17 +4,21 @@ Every product has a Pallas (Triton) kernel and a plain-`jnp` twin with the same
 signature (`impl="xla"`; it gathers [M, W, H] weight slices, so it is meant for CPU
 and tests, not for production shapes):
 
-- `compact_rows`: dense gate [M, N] -> ELL (true counts, cols, values) + fired.
+- `compact_rows`: dense gate [M, N] -> ELL (true counts, cols, values, entries per
+  column) + fired.
 - `sddmm_up`: R = x Wu^T sampled on the ELL pattern, T = P * R, per-row sum |T|.
 - `spmm_rows`: out[i] = sum_s v[i, s] W[cols[i, s]] for one or two (v, W) pairs
   (forward T Wd; backward dR Wu + dU Wg in one fp32 accumulator).
 - `sddmm_grad`: dT = gO Wd^T sampled on the pattern + l1_scale * sign(T);
   dR = dT * P, dU = dT * R.
 - `gated_rows_fwd` / `gated_rows_bwd`: `sddmm_up` + `spmm_rows` and `sddmm_grad` +
-  `spmm_rows` fused per row (the op's default: one launch and one pass over the row's
-  entries instead of two, as GatedT2D does for inference).
+  `spmm_rows` fused per row (one launch and one pass over the row's entries instead
+  of two, as GatedT2D does for inference; off by default: the backward's three
+  gathered weights exceed the H200's L2).
 - `spmm_csc`: per neuron, dWu = dR^T x, dWg = dU^T x, dWd = T^T gO over the CSC
-  index of `hybrid_format.build_csc`.
+  index of `hybrid_format.build_csc` (values copied into CSC order by
+  `csc_entries`: reading them through the slots inside the kernel made it 20% slower
+  on the H200, scattered loads behind the x / gO gathers).
 
 Kernel shape rules (pallas.md): every value is a power-of-two piece (row chunks of
 `block_h` columns, `chunk` ELL slots), refs are whole arrays indexed by hand with
@@ -33,6 +37,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _triton
+from pallas_kernels import tile_select as ts
 from pallas_kernels.hybrid_format import Csc, EllRows, compact_rows_ref, slot_mask
 
 _F32 = jnp.float32
@@ -62,19 +67,22 @@ def _check_blocks(name: str, h: int, block_h: int, chunk: int) -> None:
 
 
 def _compact_kernel(
-    p_ref, offsets_ref, _cols_zeros, _vals_zeros, cols_ref, vals_ref, fired_ref,
-    *, m, width, block_rows, block_cols,
+    p_ref, offsets_ref, totals_ref, cols_ref, vals_ref, col_ref,
+    *, m, width, block_rows, block_cols, tiles, method,
 ):  # fmt: skip
     """Program (t, i) packs rows i*BR.. within the column tile t*BC.. .
 
-    The row's entries of earlier tiles are counted beforehand (`offsets_ref`, [M, T]),
-    so every (row block, tile) is independent: slot = offset + in-tile rank, with the
-    rank from a scan along the tile, and a masked scatter writes the entries below W.
+    The row's entries of earlier tiles are counted beforehand (`offsets_ref`, [M, T];
+    `totals_ref` [M] the row totals), so every (row block, tile) is independent: entry
+    k of the tile goes to slot offset + k when that is below W; the last tile's
+    program zeroes the row's slots past its total. Per column it also writes
+    (BR + 1) * (entries) + (entries of rows with total <= W) to col_ref [blocks, N].
     """
     t, i = pl.program_id(0), pl.program_id(1)
     rows = i * block_rows + _grid_iota(block_rows)
     row_ok = rows < m
-    col = t * block_cols + _grid_iota(block_cols)
+    lane = _grid_iota(block_cols)
+    col = t * block_cols + lane
     rows_b = jnp.broadcast_to(rows[:, None], (block_rows, block_cols))
     col_b = jnp.broadcast_to(col[None, :], (block_rows, block_cols))
     p = _triton.load(
@@ -83,13 +91,43 @@ def _compact_kernel(
     pos = p > 0
     tile_ids = jnp.full((block_rows,), t, _I32)
     base = _triton.load(offsets_ref.at[rows, tile_ids], mask=row_ok, other=0)
-    slot = base[:, None] + jnp.cumsum(pos.astype(_I32), axis=1) - 1
-    ok = pos & (slot < width)
-    slot = jnp.where(ok, slot, width)  # masked lanes: an out-of-range slot
-    _triton.store(cols_ref.at[rows_b, slot], col_b, mask=ok)
-    _triton.store(vals_ref.at[rows_b, slot], p, mask=ok)
-    fired = jnp.max(pos.astype(_I32), axis=0)
-    _triton.store(fired_ref.at[jnp.full((block_cols,), i, _I32), col], fired)
+    total = _triton.load(totals_ref.at[rows], mask=row_ok, other=0)
+    if method == "select":
+        count = jnp.sum(pos.astype(_I32), axis=1)
+        room = jnp.maximum(width - base, 0)
+
+        def store_round(k, key):
+            slot = base + k
+            ok = (key != ts.NO_ENTRY) & (slot < width)
+            slot = jnp.where(ok, slot, width)  # masked lanes: an out-of-range slot
+            _triton.store(cols_ref.at[rows, slot], t * block_cols + ts.key_lane(key), mask=ok)
+            _triton.store(vals_ref.at[rows, slot], ts.key_value(key, p, lane), mask=ok)
+
+        keys = ts.entry_keys(p, pos, lane)
+        ts.for_each_entry(keys, jnp.max(jnp.minimum(count, room)), store_round)
+    else:  # scatter the whole tile at slot = offset + in-tile prefix count
+        slot = base[:, None] + jnp.cumsum(pos.astype(_I32), axis=1) - 1
+        ok = pos & (slot < width)
+        slot = jnp.where(ok, slot, width)
+        _triton.store(cols_ref.at[rows_b, slot], col_b, mask=ok)
+        _triton.store(vals_ref.at[rows_b, slot], p, mask=ok)
+    # One reduction over the block's rows for both per-column numbers.
+    in_ell = total <= width
+    weight = jnp.where(in_ell, block_rows + 2, block_rows + 1)[:, None]
+    info = jnp.sum(jnp.where(pos, weight, 0), axis=0)
+    _triton.store(col_ref.at[jnp.full((block_cols,), i, _I32), col], info.astype(col_ref.dtype))
+
+    @pl.when(t == tiles - 1)
+    def _zero_unused_slots():
+        s = jnp.broadcast_to(_grid_iota(width)[None, :], (block_rows, width))
+        rows_w = jnp.broadcast_to(rows[:, None], (block_rows, width))
+        unused = (s >= total[:, None]) & row_ok[:, None]
+        _triton.store(cols_ref.at[rows_w, s], jnp.zeros((block_rows, width), _I32), mask=unused)
+        zeros = jnp.zeros((block_rows, width), vals_ref.dtype)
+        _triton.store(vals_ref.at[rows_w, s], zeros, mask=unused)
+
+
+COMPACT_METHODS = ("select", "scan")
 
 
 def compact_rows(
@@ -100,13 +138,14 @@ def compact_rows(
     block_rows: int = 16,
     block_cols: int = 256,
     num_warps: int = 4,
+    method: str = "select",
     interpret: bool | None = None,
 ) -> tuple[EllRows, jax.Array]:
     """Packs the positive entries of a dense gate [M, N] into ELL rows of width W.
 
     Two passes over p: XLA counts the positives of every (row, column tile) and takes
     their exclusive prefix along the row; then one Pallas program per (row block,
-    tile) scatters its entries at those offsets. (A single pass that walks N per row
+    tile) writes its entries at those offsets. (A single pass that walks N per row
     block serialises 44 dependent steps per program: 5x slower on the H200.)
 
     Args:
@@ -117,39 +156,55 @@ def compact_rows(
         block_rows, block_cols: rows and columns per program (powers of two; N must
             be a multiple of block_cols).
         num_warps: Triton warps per program.
+        method: "select" (`tile_select`: one reduction and one [block_rows] store per
+            entry of the block's fullest row) or "scan" (a prefix count along the tile,
+            then a scatter of the whole tile).
         interpret: Pallas interpret mode (None: interpret unless on a GPU).
 
     Returns:
-        (EllRows with true counts, fired bool [N]). Slots at or past a row's count
-        hold zeros.
+        (EllRows with true counts and per-column ELL counts, fired bool [N]). Slots at
+        or past a row's count hold zeros.
     """
     if impl == "xla":
         return compact_rows_ref(p, width)
     m, n = p.shape
     if n % block_cols or not (_is_pow2(block_cols) and _is_pow2(block_rows) and _is_pow2(width)):
         raise ValueError(f"compact_rows: unsupported N={n}, blocks {block_rows}x{block_cols}")
+    if method not in COMPACT_METHODS:
+        raise ValueError(f"compact_rows: method={method!r} must be one of {COMPACT_METHODS}")
     tiles = n // block_cols
     tile_counts = jnp.sum((p > 0).reshape(m, tiles, block_cols), axis=2, dtype=_I32)
     ends = jnp.cumsum(tile_counts, axis=1, dtype=_I32)
     row_blocks = pl.cdiv(m, block_rows)
     kernel = functools.partial(
-        _compact_kernel, m=m, width=width, block_rows=block_rows, block_cols=block_cols
+        _compact_kernel,
+        m=m,
+        width=width,
+        block_rows=block_rows,
+        block_cols=block_cols,
+        tiles=tiles,
+        method=method,
     )
-    cols, vals, fired = _triton.pallas_call(
+    totals = ends[:, -1]
+    # (BR + 2) * BR must fit the per-(row block, column) record.
+    info_dtype = jnp.int16 if (block_rows + 2) * block_rows < 2**15 else _I32
+    cols, vals, info = _triton.pallas_call(
         kernel,
         out_shape=(
             jax.ShapeDtypeStruct((m, width), _I32),
             jax.ShapeDtypeStruct((m, width), p.dtype),
-            jax.ShapeDtypeStruct((row_blocks, n), _I32),
+            jax.ShapeDtypeStruct((row_blocks, n), info_dtype),
         ),
         grid=(tiles, row_blocks),
-        # The kernel writes entries only; the other slots keep these zeros.
-        input_output_aliases={2: 0, 3: 1},
         compiler_params=_triton.compiler_params(num_warps=num_warps, num_stages=1),
         interpret=_triton.resolve_interpret(interpret),
         name="twell_compact_rows",
-    )(p, ends - tile_counts, jnp.zeros((m, width), _I32), jnp.zeros((m, width), p.dtype))
-    return EllRows(ends[:, -1], cols, vals), jnp.max(fired, axis=0) > 0
+    )(p, ends - tile_counts, totals)
+    info = info.astype(_I32)
+    # info = (BR + 1) * entries + ELL entries, summed over the row blocks.
+    col_counts = jnp.sum(info % (block_rows + 1), axis=0, dtype=_I32)
+    fired = jnp.max(info, axis=0) > 0
+    return EllRows(totals, cols, vals, col_counts), fired
 
 
 # --------------------------------------------------------------------------------------

@@ -43,6 +43,10 @@ _F32 = jnp.float32
 RESIDUALS_NAME = "twell_sparse_residuals"
 
 
+# The row kernels, by the names `row_launch` and the train benchmark use.
+ROW_KERNELS = ("sddmm_up", "spmm_down", "sddmm_grad", "spmm_dx", "gated_rows_fwd", "gated_rows_bwd")
+
+
 @dataclasses.dataclass(frozen=True)
 class SparseTrainConfig:
     """Static configuration of `sparse_gated_mlp_train` (hashable).
@@ -55,6 +59,8 @@ class SparseTrainConfig:
             and tests: it materialises [M, W, H] gathers).
         compact_block_rows, compact_block_cols, compact_num_warps: compaction tile
             (powers of two; one program per tile) and its Triton warps.
+        compact_method: how the compaction writes entries, "select" or "scan"
+            (see `sparse_train.compact_rows`).
         chunk: ELL slots gathered per step of the row kernels (power of two).
         block_h: H columns per program or step of the row kernels (power of two
             dividing H).
@@ -66,6 +72,11 @@ class SparseTrainConfig:
         num_warps, num_stages: Triton launch parameters of the gather kernels.
         fallback_block_rows: rows per step of the dense fallback (a loop of dense
             blocks, so that its [rows, N] temporaries stay far below the dense MLP's).
+        row_launch: (kernel, chunk, block_h, num_warps) that replace the shared
+            chunk / block_h / num_warps for one of ROW_KERNELS. Defaults from the H200
+            (M=16384, 29 nnz; ms with the shared 4 / 2048 / 4 -> with the override):
+            sddmm_up 0.354 -> 0.335, spmm_down 0.275 -> 0.250, spmm_dx 0.479 -> 0.452
+            (results/train_tune_h200.json).
         fuse_fwd_rows, fuse_bwd_rows: one row kernel for the forward (SDDMM + SpMM,
             Wu and Wd gathered: 46 MB of weights at production shapes) / backward
             (SDDMM + dx SpMM, Wd, Wu and Wg: 69 MB, more than the H200's L2) instead of
@@ -83,6 +94,7 @@ class SparseTrainConfig:
     compact_block_rows: int = 16  # H200, M=16384: 0.46 ms (32 rows / 8 warps: 0.52)
     compact_block_cols: int = 256
     compact_num_warps: int = 4
+    compact_method: str = "select"
     fallback_block_rows: int = 2048
     chunk: int = 4
     block_h: int = 2048
@@ -93,6 +105,11 @@ class SparseTrainConfig:
     num_stages: int = 1
     fuse_fwd_rows: bool = False
     fuse_bwd_rows: bool = False
+    row_launch: tuple[tuple[str, int, int, int], ...] = (
+        ("sddmm_up", 2, 2048, 4),
+        ("spmm_down", 2, 1024, 4),
+        ("spmm_dx", 2, 1024, 4),
+    )
 
     def __post_init__(self):
         caps = self.tail_capacities
@@ -105,8 +122,23 @@ class SparseTrainConfig:
             v = getattr(self, name)
             if v <= 0 or v & (v - 1):
                 raise ValueError(f"{name} must be a power of two, got {v}")
-        if self.ell_width % self.chunk:
-            raise ValueError(f"ell_width {self.ell_width} is not a multiple of chunk {self.chunk}")
+        for kernel, chunk, block_h, warps in (
+            (None, self.chunk, self.block_h, 1),
+            *self.row_launch,
+        ):
+            if kernel is not None and kernel not in ROW_KERNELS:
+                raise ValueError(f"row_launch: unknown kernel {kernel!r}; one of {ROW_KERNELS}")
+            for name, v in (("chunk", chunk), ("block_h", block_h), ("num_warps", warps)):
+                if v <= 0 or v & (v - 1):
+                    raise ValueError(
+                        f"{name} of {kernel or 'the row kernels'} must be a power of two, got {v}"
+                    )
+            if self.ell_width % chunk:
+                raise ValueError(f"ell_width {self.ell_width} is not a multiple of chunk {chunk}")
+        if self.compact_method not in st.COMPACT_METHODS:
+            raise ValueError(
+                f"compact_method must be one of {st.COMPACT_METHODS}, got {self.compact_method!r}"
+            )
         if self.fallback_block_rows < 1:
             raise ValueError(f"fallback_block_rows must be >= 1, got {self.fallback_block_rows}")
 
@@ -118,17 +150,22 @@ class SparseTrainConfig:
             block_rows=self.compact_block_rows,
             block_cols=self.compact_block_cols,
             num_warps=self.compact_num_warps,
+            method=self.compact_method,
         )
 
-    def row_kernel_kwargs(self) -> dict:
-        """Launch keywords of the row kernels (sddmm_*, spmm_rows, gated_rows_*)."""
-        return dict(
+    def row_kernel_kwargs(self, kernel: str | None = None) -> dict:
+        """Launch keywords of a row kernel (one of ROW_KERNELS; None: the shared ones)."""
+        kw = dict(
             impl=self.impl,
             chunk=self.chunk,
             block_h=self.block_h,
             num_warps=self.num_warps,
             num_stages=self.num_stages,
         )
+        for name, chunk, block_h, warps in self.row_launch:
+            if name == kernel:
+                kw.update(chunk=chunk, block_h=block_h, num_warps=warps)
+        return kw
 
     def csc_kernel_kwargs(self) -> dict:
         """Launch keywords of the transposed SpMM (`spmm_csc`)."""
@@ -164,6 +201,7 @@ def resolve_config(m: int, h: int, n: int, config: SparseTrainConfig) -> SparseT
         config,
         tail_capacities=caps,
         block_h=_fit_block(config.block_h, h),
+        row_launch=tuple((k, c, _fit_block(b, h), w) for k, c, b, w in config.row_launch),
         csc_block_h=_fit_block(config.csc_block_h, h),
         compact_block_cols=_fit_block(config.compact_block_cols, n),
     )
@@ -177,6 +215,9 @@ def sparse_train_supported(m: int, h: int, n: int, config: SparseTrainConfig) ->
     for name, dim in (("block_h", h), ("csc_block_h", h), ("compact_block_cols", n)):
         if getattr(cfg, name) < _MIN_BLOCK:
             return f"no power-of-two {name} >= {_MIN_BLOCK} divides {dim}"
+    for kernel, _, block_h, _ in cfg.row_launch:
+        if block_h < _MIN_BLOCK:
+            return f"no power-of-two block_h of {kernel} >= {_MIN_BLOCK} divides {h}"
     return None
 
 
@@ -289,14 +330,13 @@ def _tail_bwd(cap, x, g_out, rows, wg, wu, wd, scale, dws):
     return _pad_rows(dxt, c_max), dws
 
 
-def _kernel_kwargs(static: _Static) -> dict:
-    return dict(static.config.row_kernel_kwargs(), interpret=static.interpret)
+def _kernel_kwargs(static: _Static, kernel: str) -> dict:
+    return dict(static.config.row_kernel_kwargs(kernel), interpret=static.interpret)
 
 
 def _forward(static: _Static, x, wg, wu, wd):
     cfg = static.config
     m, width, caps = x.shape[0], cfg.ell_width, cfg.tail_capacities
-    kw = _kernel_kwargs(static)
     with jax.named_scope("twell_gate_gemm"):
         # U in x.dtype straight from the GEMM (fp32 accumulation inside): compaction
         # keeps the entries > 0, so no separate relu pass over [M, N].
@@ -311,12 +351,20 @@ def _forward(static: _Static, x, wg, wu, wd):
         if cfg.fuse_fwd_rows:
             with jax.named_scope("twell_gated_rows_fwd"):
                 r, t, l1_rows, out = st.gated_rows_fwd(
-                    x, wu, wd, ell_count, ell.cols, ell.vals, **kw
+                    x,
+                    wu,
+                    wd,
+                    ell_count,
+                    ell.cols,
+                    ell.vals,
+                    **_kernel_kwargs(static, "gated_rows_fwd"),
                 )
         else:
             with jax.named_scope("twell_sddmm_up"):
+                kw = _kernel_kwargs(static, "sddmm_up")
                 r, t, l1_rows = st.sddmm_up(x, wu, ell_count, ell.cols, ell.vals, **kw)
             with jax.named_scope("twell_spmm_down"):
+                kw = _kernel_kwargs(static, "spmm_down")
                 out = st.spmm_rows(((t, wd),), ell_count, ell.cols, out_dtype=x.dtype, **kw)
         with jax.named_scope("twell_tail_fwd"):
             branches = [functools.partial(_tail_fwd, cap) for cap in caps]
@@ -341,7 +389,8 @@ def _forward(static: _Static, x, wg, wu, wd):
         "dense_fallback": fallback.astype(jnp.int32),
         "fired": fired,
     }
-    res = (x, wg, wu, wd, ell_count, ell.cols, ell.vals, r, t, plan.rows, plan.bucket)
+    res = (x, wg, wu, wd, ell_count, ell.cols, ell.vals, ell.col_counts, r, t, plan.rows)
+    res = (*res, plan.bucket)
     return out, stats, res
 
 
@@ -362,26 +411,28 @@ def _op_fwd(static, l1_coef, x, wg, wu, wd):
 
 def _op_bwd(static, res, cts):
     cfg = static.config
-    l1_coef, x, wg, wu, wd, ell_count, cols, p_vals, r, t, rows, bucket = res
+    l1_coef, x, wg, wu, wd, ell_count, cols, p_vals, col_counts, r, t, rows, bucket = res
     g_out, g_stats = cts
-    m, n, caps = x.shape[0], wg.shape[0], cfg.tail_capacities
+    m, caps = x.shape[0], cfg.tail_capacities
     g_out = g_out.astype(x.dtype)
     # d loss / d sum|T|: the l1 cotangent (loss = ... + lam * l1) plus the baked-in coef.
     scale = (g_stats["l1"].astype(_F32) + l1_coef) / m
-    kw = _kernel_kwargs(static)
 
     def sparse(_):
         ell = (ell_count, cols, p_vals, r, t, scale[None])
         if cfg.fuse_bwd_rows:
             with jax.named_scope("twell_gated_rows_bwd"):
+                kw = _kernel_kwargs(static, "gated_rows_bwd")
                 dr, du, dx = st.gated_rows_bwd(g_out, wd, wu, wg, *ell, **kw)
         else:
             with jax.named_scope("twell_sddmm_grad"):
-                dr, du = st.sddmm_grad(g_out, wd, *ell, **kw)
+                dr, du = st.sddmm_grad(g_out, wd, *ell, **_kernel_kwargs(static, "sddmm_grad"))
             with jax.named_scope("twell_spmm_dx"):
-                dx = st.spmm_rows(((dr, wu), (du, wg)), ell_count, cols, out_dtype=x.dtype, **kw)
+                kw = _kernel_kwargs(static, "spmm_dx")
+                terms = ((dr, wu), (du, wg))
+                dx = st.spmm_rows(terms, ell_count, cols, out_dtype=x.dtype, **kw)
         with jax.named_scope("twell_csc_index"):
-            csc = hf.build_csc(ell_count, cols, n)
+            csc = hf.build_csc(ell_count, cols, col_counts)
             entries = st.csc_entries(csc, cfg.ell_width, dr, du, t)
         with jax.named_scope("twell_spmm_csc"):
             kw_csc = dict(cfg.csc_kernel_kwargs(), interpret=static.interpret)

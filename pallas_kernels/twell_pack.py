@@ -23,33 +23,59 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _triton as tr
 from pallas_kernels import reference
+from pallas_kernels import tile_select as ts
 from pallas_kernels import twell_format as fmt
 
-PREFIXES = ("cumsum", "matmul")
+METHODS = ("select", "cumsum", "matmul")
 
 
 @dataclasses.dataclass(frozen=True)
 class PackConfig:
     """Launch parameters of the pack kernel.
 
-    block_m rows x one 256-column tile per program; prefix is how in-tile slots are
-    counted: "cumsum" (a Triton scan) or "matmul" (against an upper-triangular ones
-    matrix on the tensor cores).
+    block_m rows x one 256-column tile per program; method is how entries reach their
+    words: "select" (`tile_select`: one row-wise min-reduction and one [block_m]
+    store per entry of the fullest row), or a scatter of the whole tile at in-tile
+    prefix counts taken by "cumsum" (a Triton scan) or "matmul" (against an
+    upper-triangular ones matrix on the tensor cores).
     """
 
-    block_m: int = 8  # H200, M=131072, N=5632: 1.32 ms (16/4: 1.40, 32/8: 1.42-1.52)
+    block_m: int = 8  # H200, M=131072, N=5632, cumsum: 1.32 ms (16/4: 1.40, 32/8: 1.42-1.52)
     num_warps: int = 4
-    prefix: str = "cumsum"  # matmul: 3.4x slower at 32/8
+    method: str = "select"  # matmul: 3.4x slower than cumsum at 32/8
 
 
-def _pack_kernel(h_ref, o_ref, *, m, block_m, slots, prefix):
-    """h_ref [BM, 256] (any float) -> o_ref [BM, W] uint32: one TwELL tile of BM rows."""
+def _pack_kernel(h_ref, o_ref, *, m, block_m, slots, method):
+    """h_ref [BM, 256] (bf16) -> o_ref [BM, W] uint32: one TwELL tile of BM rows."""
     tile = pl.program_id(0)
     rows = jnp.arange(block_m, dtype=jnp.int32)
     row_ok = pl.program_id(1) * block_m + rows < m  # the last row block may overhang M
     h = tr.load(h_ref, mask=row_ok[:, None], other=0)
     positive = h > 0
     lane = jnp.arange(fmt.TILE, dtype=jnp.int32)
+    count = jnp.sum(positive.astype(jnp.int32), axis=1)
+    if method == "select":
+        _select_into_words(o_ref, h, positive, lane, count, tile, slots)
+    else:
+        _scatter_into_words(o_ref, h, positive, lane, tile, slots, method)
+    tr.store(o_ref.at[:, pl.ds(0, 1)], count.astype(jnp.uint32)[:, None], mask=row_ok[:, None])
+
+
+def _select_into_words(o_ref, h, positive, lane, count, tile, slots):
+    """Entry j of every row goes to word j + 1, one round per entry (`tile_select`)."""
+    keys = ts.entry_keys(h, positive, lane)
+
+    def store_round(j, key):
+        words = fmt.encode_words(ts.key_value(key, h, lane), tile * fmt.TILE + ts.key_lane(key))
+        ok = key != ts.NO_ENTRY
+        tr.store(o_ref.at[:, pl.ds(j + 1, 1)], words[:, None], mask=ok[:, None])
+
+    ts.for_each_entry(keys, jnp.minimum(jnp.max(count), slots - 1), store_round)
+
+
+def _scatter_into_words(o_ref, h, positive, lane, tile, slots, prefix):
+    """Every positive element is scattered to word = its in-tile prefix count."""
+    rows = jnp.arange(h.shape[0], dtype=jnp.int32)
     if prefix == "matmul":
         upper_ones = (lane[:, None] <= lane[None, :]).astype(jnp.bfloat16)
         inclusive = jnp.dot(
@@ -61,8 +87,6 @@ def _pack_kernel(h_ref, o_ref, *, m, block_m, slots, prefix):
     slot = jnp.where(keep, inclusive, fmt.OUT_OF_TILE_SLOT)
     words = fmt.encode_words(h, tile * fmt.TILE + lane[None, :])
     tr.store(o_ref.at[rows[:, None], slot], words, mask=keep)
-    count = jnp.sum(positive.astype(jnp.int32), axis=1)
-    tr.store(o_ref.at[:, pl.ds(0, 1)], count.astype(jnp.uint32)[:, None], mask=row_ok[:, None])
 
 
 def pack_supported(m: int, n: int, compression: int, cfg: PackConfig) -> str | None:
@@ -75,8 +99,8 @@ def pack_supported(m: int, n: int, compression: int, cfg: PackConfig) -> str | N
         return f"M={m} tokens: need at least one"
     if cfg.block_m < 1 or cfg.block_m & (cfg.block_m - 1):
         return f"block_m={cfg.block_m} must be a power of two"
-    if cfg.prefix not in PREFIXES:
-        return f"prefix={cfg.prefix!r} must be one of {PREFIXES}"
+    if cfg.method not in METHODS:
+        return f"method={cfg.method!r} must be one of {METHODS}"
     return None
 
 
@@ -110,7 +134,7 @@ def pack_tiles(
         raise ValueError(f"pack_tiles: {reason}")
     slots = fmt.slots_per_tile(compression)
     kernel = functools.partial(
-        _pack_kernel, m=m, block_m=cfg.block_m, slots=slots, prefix=cfg.prefix
+        _pack_kernel, m=m, block_m=cfg.block_m, slots=slots, method=cfg.method
     )
     return tr.pallas_call(
         kernel,

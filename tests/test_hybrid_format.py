@@ -60,14 +60,26 @@ def test_build_csc_sorted_by_neuron_then_token():
     p = _gate(1, m, n, 0.08, heavy=(4,), zero=(7,))
     ell, _ = hf.compact_rows_ref(p, w)
     ell_count = hf.ell_counts(ell.counts, w)
-    csc = hf.build_csc(ell_count, ell.cols, n)
+    csc = hf.build_csc(ell_count, ell.cols, ell.col_counts)
     p_np = np.asarray(p, np.float32)
     p_np[np.asarray(ell.counts) > w] = 0  # tail rows are not in the ELL index
+    np.testing.assert_array_equal(ell.col_counts, (p_np > 0).sum(0))
     offsets, slots = np.asarray(csc.offsets), np.asarray(csc.slots)
     assert offsets[0] == 0 and offsets[-1] == int(ell_count.sum())
     for j in range(n):
         seg = slots[offsets[j] : offsets[j + 1]]
         np.testing.assert_array_equal(seg // w, np.nonzero(p_np[:, j])[0])  # token order
         np.testing.assert_array_equal(np.asarray(ell.cols).reshape(-1)[seg], j)
-    sizes = offsets[1:] - offsets[:-1]
-    np.testing.assert_array_equal(csc.order, np.argsort(-sizes, kind="stable"))
+    # Heaviest first by powers of two, ties by id; every neuron exactly once.
+    order, cc = np.asarray(csc.order), np.asarray(ell.col_counts)
+    np.testing.assert_array_equal(np.sort(order), np.arange(n))
+    power = np.where(cc[order] > 0, np.floor(np.log2(np.maximum(cc[order], 1))), -1)
+    assert (np.diff(power) <= 0).all()
+    for k in np.unique(power):
+        assert (np.diff(order[power == k]) > 0).all()
+
+
+def test_heaviest_first_buckets():
+    counts = jnp.asarray([0, 5, 1, 4, 300, 7, 0, 2, 3], jnp.int32)
+    # 300 | 5, 4, 7 | 2, 3 | 1 | 0, 0
+    np.testing.assert_array_equal(hf.heaviest_first(counts), [4, 1, 3, 5, 7, 8, 2, 0, 6])

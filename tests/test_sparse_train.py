@@ -25,6 +25,7 @@ from pallas_kernels import sparse_train as st
 from pallas_kernels.sparse_train_op import (
     RESIDUALS_NAME,
     SparseTrainConfig,
+    resolve_config,
     sparse_gated_mlp_train,
 )
 from tests.lowering import TRITON_CALL, count_triton_calls, lower_for_cuda
@@ -107,14 +108,24 @@ def _kw(interpret):
 
 
 @pytest.mark.parametrize("interpret", MODES)
-@pytest.mark.parametrize(("block_rows", "block_cols"), [(16, 128), (32, 256)])
-def test_compact_rows_matches_reference(interpret, block_rows, block_cols):
-    """Heavy rows past W (true counts kept), empty rows, M not a multiple of the block."""
+@pytest.mark.parametrize("method", st.COMPACT_METHODS)
+@pytest.mark.parametrize(
+    ("block_rows", "block_cols", "dtype"),
+    [(16, 128, jnp.bfloat16), (32, 256, jnp.bfloat16), (16, 128, jnp.float32)],
+)
+def test_compact_rows_matches_reference(interpret, method, block_rows, block_cols, dtype):
+    """Heavy rows past W (true counts kept), empty rows, M not a multiple of the block;
+    fp32 gates take the select method's two-reduction path."""
     x, wg, *_ = make_inputs(0, M, H, N, 8, heavy=(3, 30), zero=(0, 39))
-    u = jnp.einsum("mh,nh->mn", x, wg, preferred_element_type=x.dtype)  # pre-relu, as the op
+    u = jnp.einsum("mh,nh->mn", x, wg, preferred_element_type=dtype)  # pre-relu, as the op
     ell_ref, fired_ref = hf.compact_rows_ref(jax.nn.relu(u), 16)
     ell, fired = st.compact_rows(
-        u, width=16, block_rows=block_rows, block_cols=block_cols, interpret=interpret
+        u,
+        width=16,
+        block_rows=block_rows,
+        block_cols=block_cols,
+        method=method,
+        interpret=interpret,
     )
     np.testing.assert_array_equal(ell.counts, ell_ref.counts)
     np.testing.assert_array_equal(ell.cols, ell_ref.cols)
@@ -177,7 +188,7 @@ def test_spmm_csc_matches_dense(interpret):
     k = jax.random.split(jax.random.key(6), 3)
     dr, du, t = (jax.random.normal(ki, ell.vals.shape).astype(jnp.bfloat16) for ki in k)
     g = proj.astype(jnp.bfloat16)
-    csc = hf.build_csc(ell_count, ell.cols, N)
+    csc = hf.build_csc(ell_count, ell.cols, ell.col_counts)
     entries = st.csc_entries(csc, 16, dr, du, t)
     kw = dict(impl="pallas", chunk=8, block_h=128, interpret=interpret)
     dwu, dwg, dwd = st.spmm_csc(csc.offsets, csc.order, *entries, x, g, **kw)
@@ -424,6 +435,36 @@ def test_unsupported_shape_raises():
         sparse_gated_mlp_train(x, wg, wu, wd)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"compact_method": "sort"}, "compact_method"),
+        ({"ell_width": 96}, "ell_width"),
+        ({"tail_capacities": (256, 0)}, "tail_capacities"),
+        ({"row_launch": (("sddmm", 2, 64, 4),)}, "unknown kernel"),
+        ({"row_launch": (("spmm_dx", 3, 64, 4),)}, "chunk of spmm_dx"),
+        ({"row_launch": (("spmm_dx", 2, 64, 3),)}, "num_warps of spmm_dx"),
+    ],
+)
+def test_bad_config_raises(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SparseTrainConfig(**kwargs)
+
+
+def test_row_launch_overrides_one_kernel_and_fits_h():
+    cfg = SparseTrainConfig(chunk=8, block_h=64, row_launch=(("spmm_dx", 2, 2048, 2),))
+    assert cfg.row_kernel_kwargs("sddmm_up")["chunk"] == 8
+    dx = cfg.row_kernel_kwargs("spmm_dx")
+    assert (dx["chunk"], dx["block_h"], dx["num_warps"]) == (2, 2048, 2)
+    fitted = resolve_config(32, 96, 256, cfg)
+    assert fitted.row_kernel_kwargs("spmm_dx")["block_h"] == 32  # largest power of 2 | 96
+
+
+def test_compact_rows_rejects_unknown_method():
+    with pytest.raises(ValueError, match="method"):
+        st.compact_rows(jnp.zeros((4, 256), jnp.bfloat16), width=16, method="sort")
+
+
 def test_default_config_fits_small_shapes():
     """Default (production) config on a tiny model: blocks and capacities shrink."""
     inputs = make_inputs(15, 20, 96, 128, 6, heavy=(2,))
@@ -452,6 +493,10 @@ def _z(shape, dtype=_BF):
 LOWERINGS = {
     "compact_rows": (
         lambda p: st.compact_rows(p, width=PW, interpret=False),
+        [_z((PM, PN))],
+    ),
+    "compact_rows_scan": (
+        lambda p: st.compact_rows(p, width=PW, method="scan", interpret=False),
         [_z((PM, PN))],
     ),
     "sddmm_up": (

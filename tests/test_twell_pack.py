@@ -14,7 +14,7 @@ import pytest
 from pallas_kernels import reference
 from pallas_kernels import twell_format as fmt
 from pallas_kernels.d2t import d2t
-from pallas_kernels.twell_pack import PackConfig, gate_then_pack, pack_tiles
+from pallas_kernels.twell_pack import METHODS, PackConfig, gate_then_pack, pack_tiles
 from tests.kernel_cases import INTERPRET_AND_GPU, SMALL_D2T, SMALL_PACK, integer_mlp
 from tests.lowering import count_triton_calls
 
@@ -62,8 +62,12 @@ def test_pack_matches_oracle(interpret, compression, m):
 @pytest.mark.parametrize("interpret", INTERPRET_AND_GPU)
 @pytest.mark.parametrize(
     "cfg",
-    [PackConfig(block_m=32, num_warps=8), PackConfig(block_m=16, prefix="matmul")],
-    ids=["cumsum_bm32", "matmul_bm16"],
+    [
+        PackConfig(block_m=32, num_warps=8),
+        PackConfig(block_m=32, num_warps=8, method="cumsum"),
+        PackConfig(block_m=16, method="matmul"),
+    ],
+    ids=["select_bm32", "cumsum_bm32", "matmul_bm16"],
 )
 def test_pack_configs(interpret, cfg):
     h = _adversarial(7, 45, 512)
@@ -91,7 +95,7 @@ def test_gate_then_pack_equals_fused_d2t(interpret, m, bias):
         (jnp.zeros((4, 320), jnp.bfloat16), {}, "multiple of the TwELL tile"),
         (jnp.zeros((4, 256), jnp.bfloat16), {"compression": 3}, "compression"),
         (jnp.zeros((4, 256), jnp.bfloat16), {"cfg": PackConfig(block_m=48)}, "power of two"),
-        (jnp.zeros((4, 256), jnp.bfloat16), {"cfg": PackConfig(prefix="scan")}, "prefix"),
+        (jnp.zeros((4, 256), jnp.bfloat16), {"cfg": PackConfig(method="scan")}, "method"),
         (jnp.zeros((0, 256), jnp.bfloat16), {}, "at least one"),
     ],
 )
@@ -101,12 +105,12 @@ def test_pack_rejects_bad_inputs(h, kwargs, message):
 
 
 @pytest.mark.parametrize("compression", fmt.COMPRESSIONS)
-@pytest.mark.parametrize("prefix", ["cumsum", "matmul"])
-def test_pack_lowers_for_cuda(compression, prefix):
+@pytest.mark.parametrize("method", METHODS)
+def test_pack_lowers_for_cuda(compression, method):
     """Production shape (M=16384, N=5632) and the default block sizes."""
     h = jnp.zeros((16384, 5632), jnp.bfloat16)
     fn = functools.partial(
-        pack_tiles, compression=compression, cfg=PackConfig(prefix=prefix), interpret=False
+        pack_tiles, compression=compression, cfg=PackConfig(method=method), interpret=False
     )
     assert count_triton_calls(fn, h) == 1
 
