@@ -687,7 +687,7 @@ def _spmm_csc_kernel(
     Programs take neurons heaviest first (`order`), so the few long loops of very
     active neurons overlap with the many short ones instead of trailing at the end.
     The neuron axis varies fastest, so while one H block is swept only x[:, block] and
-    gO[:, block] are gathered (2 M block_h bf16: 64 MB at M=16384, block_h=1024).
+    gO[:, block] are gathered (2 M block_h bf16: 32 MB at M=16384, block_h=512).
     """
     nid, hb = order_ref[pl.program_id(0)], pl.program_id(1)
     start, end = off_ref[nid], off_ref[nid + 1]
@@ -743,8 +743,8 @@ def spmm_csc(
     *,
     impl: str = "pallas",
     chunk: int = 4,
-    block_h: int = 1024,
-    num_warps: int = 4,
+    block_h: int = 512,
+    num_warps: int = 2,
     num_stages: int = 1,
     interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:

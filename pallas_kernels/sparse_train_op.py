@@ -67,8 +67,9 @@ class SparseTrainConfig:
         csc_chunk, csc_block_h: the same for the transposed (per-neuron) SpMM; smaller
             H blocks spread very active neurons over more programs and shrink the
             gathered x / gO working set (2 M csc_block_h bf16); csc_num_warps its
-            Triton warps. Measured on the H200 (M=16384, 29 nnz): 4 / 1024 / 4 warps
-            0.54 ms; 8 / 512: 1.00; 4 / 512: 1.39; 4 / 2048: 0.68; 8 warps: 1.45.
+            Triton warps. H200 (M=16384, 29 nnz; ms): 4 / 512 / 2 warps 0.57 against
+            4 / 1024 / 4 0.63 in the same process (4 / 256 / 1: 0.58; 8 / 512 / 2:
+            0.62); with 4 warps, 512 columns take 1.39 (4 threads per 8-byte piece).
         num_warps, num_stages: Triton launch parameters of the gather kernels.
         fallback_block_rows: rows per step of the dense fallback (a loop of dense
             blocks, so that its [rows, N] temporaries stay far below the dense MLP's).
@@ -99,8 +100,8 @@ class SparseTrainConfig:
     chunk: int = 4
     block_h: int = 2048
     csc_chunk: int = 4
-    csc_block_h: int = 1024
-    csc_num_warps: int = 4
+    csc_block_h: int = 512
+    csc_num_warps: int = 2
     num_warps: int = 4
     num_stages: int = 1
     fuse_fwd_rows: bool = False
