@@ -218,6 +218,28 @@ def _row_slots(count, c, chunk):
     return slots, slots < count
 
 
+def _for_each_chunk(count, chunk, cols_ref, row, body, init):
+    """Runs body(slots, ok, cols, carry) over the row's chunks of `chunk` ELL slots.
+
+    The next chunk's columns are loaded before this chunk's gathers are issued, so the
+    column load (an L2 round trip the gathers depend on) is off the loop's critical
+    path.
+    """
+
+    def load_cols(c):
+        slots, ok = _row_slots(count, c, chunk)
+        return _triton.load(cols_ref.at[row, slots], mask=ok, other=0)
+
+    def step(c, carry):
+        cols, inner = carry
+        cols_next = load_cols(c + 1)
+        slots, ok = _row_slots(count, c, chunk)
+        return cols_next, body(slots, ok, cols, inner)
+
+    n_chunks = (count + chunk - 1) // chunk
+    return lax.fori_loop(0, n_chunks, step, (load_cols(0), init))[1]
+
+
 def _load_row(ref, row, h, block_h):
     """Row `row` of ref [M, H] as fp32 pieces of block_h columns, loaded once per program
     and kept in registers (the row is read by this program only: streamed)."""
@@ -262,9 +284,7 @@ def _sddmm_up_kernel(
     count = count_ref[row]
     x = _load_row(x_ref, row, h, block_h)
 
-    def body(c, l1):
-        slots, ok = _row_slots(count, c, chunk)
-        cols = _triton.load(cols_ref.at[row, slots], mask=ok, other=0)
+    def body(slots, ok, cols, l1):
         r = _gather_dot(x, w_ref, cols, ok, chunk=chunk, block_h=block_h)
         r = r.astype(r_ref.dtype)
         p = _triton.load(p_ref.at[row, slots], mask=ok, other=0)
@@ -273,7 +293,7 @@ def _sddmm_up_kernel(
         _triton.store(t_ref.at[row, slots], t, mask=ok)
         return l1 + jnp.sum(jnp.where(ok, jnp.abs(t.astype(_F32)), 0.0))
 
-    l1 = lax.fori_loop(0, (count + chunk - 1) // chunk, body, jnp.zeros((), _F32))
+    l1 = _for_each_chunk(count, chunk, cols_ref, row, body, jnp.zeros((), _F32))
     _zero_unused((r_ref, t_ref), row, count, width)
     _triton.store(l1_ref.at[row + _grid_iota(1)], jnp.broadcast_to(l1, (1,)))
 
@@ -357,6 +377,8 @@ def _spmm_rows_kernel(count_ref, cols_ref, *refs, n_terms, chunk, block_h):
             acc = acc + jnp.sum(v[:, None] * w, axis=0)
         return acc
 
+    # No column prefetch here (`_for_each_chunk`): it made this kernel 5% slower on the
+    # H200, while the two SDDMMs gained 3-6%.
     acc = lax.fori_loop(0, (count + chunk - 1) // chunk, body, jnp.zeros((block_h,), _F32))
     _triton.store(out_ref.at[row, d], acc.astype(out_ref.dtype), eviction_policy=_STREAM)
 
@@ -428,9 +450,7 @@ def _sddmm_grad_kernel(
     scale = scale_ref[0]
     g = _load_row(g_ref, row, h, block_h)
 
-    def body(c, carry):
-        slots, ok = _row_slots(count, c, chunk)
-        cols = _triton.load(cols_ref.at[row, slots], mask=ok, other=0)
+    def body(slots, ok, cols, carry):
         dt = _gather_dot(g, w_ref, cols, ok, chunk=chunk, block_h=block_h)
         t = _triton.load(t_ref.at[row, slots], mask=ok, other=0).astype(_F32)
         dt = dt + scale * jnp.sign(t)
@@ -440,7 +460,7 @@ def _sddmm_grad_kernel(
         _triton.store(du_ref.at[row, slots], (dt * r).astype(du_ref.dtype), mask=ok)
         return carry
 
-    lax.fori_loop(0, (count + chunk - 1) // chunk, body, jnp.zeros((), _I32))
+    _for_each_chunk(count, chunk, cols_ref, row, body, jnp.zeros((), _I32))
     _zero_unused((dr_ref, du_ref), row, count, width)
 
 
