@@ -3,9 +3,11 @@
 `d2t` fuses the pack into the gate GEMM's epilogue, where Triton has to move the
 scatter's operands out of the tensor-core accumulator layout. This kernel packs a
 [M, N] activation that XLA's GEMM wrote instead: every program loads one [BM, 256]
-tile in a plain blocked layout, takes the in-tile prefix count and scatters the
-positive entries into that tile's W words. Programs are independent (one per
-(row block, tile)), so nothing serialises across N.
+tile in a plain blocked layout and writes its positive entries into that tile's W
+words, by default one entry per row per round (`tile_select`; 1.07 ms at M=131072
+and ~29 non-zeros per row on the H200, against 1.24-1.32 ms for the prefix count and
+scatter that `method="cumsum"` keeps). Programs are independent (one per (row block,
+tile)), so nothing serialises across N.
 
 The extra traffic is one bf16 write and read of [M, N] (about 0.7 ms at M=131072,
 N=5632 on an H200); what it buys is an XLA (cuBLAS) GEMM instead of a Pallas one
