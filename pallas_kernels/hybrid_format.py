@@ -137,7 +137,8 @@ def heaviest_first(col_counts: jax.Array) -> jax.Array:
     bucket = lax.clz(col_counts.astype(jnp.int32))  # 32 for 0; fewer leading zeros: heavier
     onehot = (bucket[:, None] == jnp.arange(33, dtype=jnp.int32)[None, :]).astype(jnp.int32)
     rank_in_bucket = jnp.sum(jnp.cumsum(onehot, axis=0) * onehot, axis=1) - 1
-    starts = jnp.cumsum(jnp.sum(onehot, axis=0)) - jnp.sum(onehot, axis=0)
+    sizes = jnp.sum(onehot, axis=0)
+    starts = jnp.cumsum(sizes) - sizes
     pos = starts[bucket] + rank_in_bucket
     return jnp.zeros((n,), jnp.int32).at[pos].set(jnp.arange(n, dtype=jnp.int32))
 

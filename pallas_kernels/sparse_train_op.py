@@ -123,17 +123,14 @@ class SparseTrainConfig:
             v = getattr(self, name)
             if v <= 0 or v & (v - 1):
                 raise ValueError(f"{name} must be a power of two, got {v}")
-        for kernel, chunk, block_h, warps in (
-            (None, self.chunk, self.block_h, 1),
-            *self.row_launch,
-        ):
-            if kernel is not None and kernel not in ROW_KERNELS:
+        if self.ell_width % self.chunk:
+            raise ValueError(f"ell_width {self.ell_width} is not a multiple of chunk {self.chunk}")
+        for kernel, chunk, block_h, warps in self.row_launch:
+            if kernel not in ROW_KERNELS:
                 raise ValueError(f"row_launch: unknown kernel {kernel!r}; one of {ROW_KERNELS}")
             for name, v in (("chunk", chunk), ("block_h", block_h), ("num_warps", warps)):
                 if v <= 0 or v & (v - 1):
-                    raise ValueError(
-                        f"{name} of {kernel or 'the row kernels'} must be a power of two, got {v}"
-                    )
+                    raise ValueError(f"{name} of {kernel} must be a power of two, got {v}")
             if self.ell_width % chunk:
                 raise ValueError(f"ell_width {self.ell_width} is not a multiple of chunk {chunk}")
         if self.compact_method not in st.COMPACT_METHODS:
@@ -351,14 +348,9 @@ def _forward(static: _Static, x, wg, wu, wd):
     def sparse(_):
         if cfg.fuse_fwd_rows:
             with jax.named_scope("twell_gated_rows_fwd"):
+                kw = _kernel_kwargs(static, "gated_rows_fwd")
                 r, t, l1_rows, out = st.gated_rows_fwd(
-                    x,
-                    wu,
-                    wd,
-                    ell_count,
-                    ell.cols,
-                    ell.vals,
-                    **_kernel_kwargs(static, "gated_rows_fwd"),
+                    x, wu, wd, ell_count, ell.cols, ell.vals, **kw
                 )
         else:
             with jax.named_scope("twell_sddmm_up"):
