@@ -159,6 +159,11 @@ def build_csc(ell_count: jax.Array, cols: jax.Array, col_counts: jax.Array) -> C
     key = jnp.where(slot_mask(ell_count, width), cols, n).astype(key_dtype).reshape(-1)
     ids = jnp.arange(m * width, dtype=jnp.int32)
     _, slots = lax.sort((key, ids), num_keys=1, is_stable=True)
+    # Offsets and order are computed after the sort (a data dependency through the
+    # barrier): the sort cannot join a CUDA graph, and XLA only puts runs of at least
+    # a few capturable ops into one. Scheduled before it, these fusions left the
+    # backward's cond a run of one, so it went back to a host round trip (~0.1 ms).
+    col_counts = lax.optimization_barrier((col_counts, slots))[0]
     offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(col_counts, dtype=jnp.int32)])
     return Csc(offsets, slots, heaviest_first(col_counts))
 

@@ -71,8 +71,9 @@ class SparseTrainConfig:
             4 / 1024 / 4 0.63 in the same process (4 / 256 / 1: 0.58; 8 / 512 / 2:
             0.62); with 4 warps, 512 columns take 1.39 (4 threads per 8-byte piece).
         num_warps, num_stages: Triton launch parameters of the gather kernels.
-        fallback_block_rows: rows per step of the dense fallback (a loop of dense
-            blocks, so that its [rows, N] temporaries stay far below the dense MLP's).
+        fallback_block_rows: rows per step of the dense fallback (an unrolled loop of
+            at most 16 dense blocks, larger M getting larger blocks), so that its
+            [rows, N] temporaries stay far below the dense MLP's.
         row_launch: (kernel, chunk, block_h, num_warps) that replace the shared
             chunk / block_h / num_warps for one of ROW_KERNELS. Defaults from the H200
             (M=16384, 29 nnz; ms with the shared 4 / 2048 / 4 -> with the override):
@@ -229,32 +230,27 @@ def _dense_block(x, wg, wu, wd):
     return out.astype(x.dtype), jnp.sum(jnp.abs(hid.astype(_F32)))
 
 
-def _row_blocks(m: int, block_rows: int) -> tuple[int, int]:
-    """(number of blocks, rows per block) covering M rows."""
-    b = min(block_rows, m)
-    return -(-m // b), b
+# Most dense blocks the fallback unrolls into; larger M gets larger blocks.
+_MAX_FALLBACK_BLOCKS = 16
 
 
-def _row_block(i, block: int, m: int):
-    """Start of row block i (clamped so the last block ends at M) and its new rows [B, 1].
+def _fallback_blocks(m: int, block_rows: int) -> list[tuple[int, int]]:
+    """Static (start, size) row blocks covering M for the dense fallback.
 
-    The clamped last block overlaps the one before; rows that block already handled are
-    masked out rather than padded, so no [M, H] copy is needed.
+    The loop is unrolled in Python rather than a `fori_loop`: XLA runs a while loop
+    from the host (a device-to-host copy of its predicate per iteration, and one for
+    the cond around it), which made the op's two conds stall the GPU ~0.1 ms each per
+    step even when the fallback never ran. Unrolled, both conds run as CUDA-graph
+    conditionals with a device-side predicate.
     """
-    start = jnp.minimum(i * block, m - block)
-    fresh = start + jnp.arange(block, dtype=jnp.int32) >= i * block
-    return start, fresh[:, None]
+    b = max(min(block_rows, m), -(-m // _MAX_FALLBACK_BLOCKS))
+    return [(s, min(b, m - s)) for s in range(0, m, b)]
 
 
-def _take_rows(a, start, fresh):
-    """Rows start.. of a (as many as fresh has), zero where not fresh (zero rows: h = 0)."""
-    return jnp.where(fresh, lax.dynamic_slice_in_dim(a, start, fresh.shape[0]), 0)
-
-
-def _put_rows(dst, rows, start, fresh):
-    """dst with its fresh rows from `start` on replaced by `rows`."""
-    old = lax.dynamic_slice_in_dim(dst, start, rows.shape[0])
-    return lax.dynamic_update_slice_in_dim(dst, jnp.where(fresh, rows, old), start, 0)
+def _after(a, dep):
+    """`a`, but computed only once `dep` is: orders the unrolled blocks, so at most one
+    block's [rows, N] temporaries are live (the scheduler may otherwise overlap them)."""
+    return lax.optimization_barrier((a, dep))[0]
 
 
 def _dense_fallback_fwd(x, wg, wu, wd, block_rows: int):
@@ -263,16 +259,13 @@ def _dense_fallback_fwd(x, wg, wu, wd, block_rows: int):
     The fallback branch shares the op's memory plan, so a whole-M dense block would make
     the sparse op's peak memory that of the dense MLP.
     """
-    m = x.shape[0]
-    n_blocks, b = _row_blocks(m, block_rows)
-
-    def step(i, carry):
-        out, l1 = carry
-        start, fresh = _row_block(i, b, m)
-        out_b, l1_b = _dense_block(_take_rows(x, start, fresh), wg, wu, wd)
-        return _put_rows(out, out_b, start, fresh), l1 + l1_b
-
-    return lax.fori_loop(0, n_blocks, step, (jnp.zeros_like(x), jnp.zeros((), _F32)))
+    out, l1 = jnp.zeros_like(x), jnp.zeros((), _F32)
+    for start, size in _fallback_blocks(x.shape[0], block_rows):
+        x_b = _after(lax.slice_in_dim(x, start, start + size), out)
+        out_b, l1_b = _dense_block(x_b, wg, wu, wd)
+        out = lax.dynamic_update_slice_in_dim(out, out_b, start, 0)
+        l1 = l1 + l1_b
+    return out, l1
 
 
 def _dense_fallback_bwd(x, g_out, wg, wu, wd, scale, block_rows: int):
@@ -280,20 +273,16 @@ def _dense_fallback_bwd(x, g_out, wg, wu, wd, scale, block_rows: int):
 
     Weight gradients are summed over blocks in fp32, then rounded to the weights' dtype.
     """
-    m = x.shape[0]
-    n_blocks, b = _row_blocks(m, block_rows)
     weights = (wg, wu, wd)
-
-    def step(i, carry):
-        dx, dws = carry
-        start, fresh = _row_block(i, b, m)
-        _, vjp = jax.vjp(_dense_block, _take_rows(x, start, fresh), *weights)
-        dx_b, *dw_b = vjp((_take_rows(g_out, start, fresh), scale))
+    dx = jnp.zeros_like(x)
+    dws = tuple(jnp.zeros(w.shape, _F32) for w in weights)
+    for start, size in _fallback_blocks(x.shape[0], block_rows):
+        rows = functools.partial(lax.slice_in_dim, start_index=start, limit_index=start + size)
+        x_b, g_b = _after((rows(x), rows(g_out)), (dx, dws))
+        _, vjp = jax.vjp(_dense_block, x_b, *weights)
+        dx_b, *dw_b = vjp((g_b, scale))
         dws = tuple(a + d.astype(_F32) for a, d in zip(dws, dw_b, strict=True))
-        return _put_rows(dx, dx_b, start, fresh), dws
-
-    zeros = tuple(jnp.zeros(w.shape, _F32) for w in weights)
-    dx, dws = lax.fori_loop(0, n_blocks, step, (jnp.zeros_like(x), zeros))
+        dx = lax.dynamic_update_slice_in_dim(dx, dx_b, start, 0)
     return (dx, *(d.astype(w.dtype) for d, w in zip(dws, weights, strict=True)))
 
 
@@ -411,6 +400,12 @@ def _op_bwd(static, res, cts):
     # d loss / d sum|T|: the l1 cotangent (loss = ... + lam * l1) plus the baked-in coef.
     scale = (g_stats["l1"].astype(_F32) + l1_coef) / m
 
+    with jax.named_scope("twell_csc_index"):
+        # Outside the cond: the sort depends only on the forward's pattern, and a cond
+        # whose branches hold only kernels, GEMMs and fusions runs as a CUDA-graph
+        # conditional (a device-side predicate) instead of a host round trip.
+        csc = hf.build_csc(ell_count, cols, col_counts)
+
     def sparse(_):
         ell = (ell_count, cols, p_vals, r, t, scale[None])
         if cfg.fuse_bwd_rows:
@@ -424,8 +419,7 @@ def _op_bwd(static, res, cts):
                 kw = _kernel_kwargs(static, "spmm_dx")
                 terms = ((dr, wu), (du, wg))
                 dx = st.spmm_rows(terms, ell_count, cols, out_dtype=x.dtype, **kw)
-        with jax.named_scope("twell_csc_index"):
-            csc = hf.build_csc(ell_count, cols, col_counts)
+        with jax.named_scope("twell_csc_entries"):
             entries = st.csc_entries(csc, cfg.ell_width, dr, du, t)
         with jax.named_scope("twell_spmm_csc"):
             kw_csc = dict(cfg.csc_kernel_kwargs(), interpret=static.interpret)
