@@ -76,9 +76,11 @@ class SparseTrainConfig:
             [rows, N] temporaries stay far below the dense MLP's.
         row_launch: (kernel, chunk, block_h, num_warps) that replace the shared
             chunk / block_h / num_warps for one of ROW_KERNELS. Defaults from the H200
-            (M=16384, 29 nnz; ms with the shared 4 / 2048 / 4 -> with the override):
-            sddmm_up 0.354 -> 0.335, spmm_down 0.275 -> 0.250, spmm_dx 0.479 -> 0.452
-            (results/train_tune_h200.json).
+            (M=16384, 29 nnz; ms, same process, shared 2 / 2048 / 4 -> override):
+            sddmm_up 0.355 -> 0.289-0.295, sddmm_grad 0.381 -> 0.308, spmm_down
+            0.267 -> 0.253, spmm_dx 0.479 -> 0.452 (session 7). One warp per row
+            keeps the SDDMMs' per-slot dot product inside a warp (shuffles, no
+            shared-memory round trip and barrier per chunk); results/NOTES.md.
         fuse_fwd_rows, fuse_bwd_rows: one row kernel for the forward (SDDMM + SpMM,
             Wu and Wd gathered: 46 MB of weights at production shapes) / backward
             (SDDMM + dx SpMM, Wd, Wu and Wg: 69 MB, more than the H200's L2) instead of
@@ -108,8 +110,9 @@ class SparseTrainConfig:
     fuse_fwd_rows: bool = False
     fuse_bwd_rows: bool = False
     row_launch: tuple[tuple[str, int, int, int], ...] = (
-        ("sddmm_up", 2, 2048, 4),
-        ("spmm_down", 2, 1024, 4),
+        ("sddmm_up", 2, 1024, 1),
+        ("spmm_down", 4, 512, 1),
+        ("sddmm_grad", 4, 1024, 1),
         ("spmm_dx", 2, 1024, 4),
     )
 
