@@ -123,14 +123,6 @@ def test_sparse_switch_selects_layers(monkeypatch):
     assert not np.allclose(run(params, jnp.array([False, True])), want)
 
 
-def test_sparse_without_op_names_it(monkeypatch):
-    monkeypatch.delattr(pallas_kernels, "sparse_gated_mlp_train", raising=False)
-    x = jnp.zeros((4, 64), jnp.bfloat16)
-    w = {k: jnp.zeros((256, 64), jnp.bfloat16) for k in ("w_gate", "w_up", "w_down")}
-    with pytest.raises(NotImplementedError, match="sparse_gated_mlp_train"):
-        M._ffn_sparse(x, w)
-
-
 @pytest.mark.gpu
 def test_kernel_paths_match_dense_on_gpu():
     """Compiled Pallas kernels and cuDNN attention inside the model (run with -m gpu)."""

@@ -200,17 +200,9 @@ def _ffn_sparse(x: jax.Array, w: dict[str, jax.Array]) -> tuple[jax.Array, Stats
     The L1 gradient reaches the kernels through the cotangent of the differentiable
     `stats["l1"]` (training spec §3: c = g_l1 / M), exactly as on the dense path, so
     the op's own `l1_coef` stays 0.
-
-    Raises:
-      NotImplementedError: pallas_kernels has no `sparse_gated_mlp_train`.
     """
     import pallas_kernels  # Lazy, as in `_ffn_twell`.
 
-    if not hasattr(pallas_kernels, "sparse_gated_mlp_train"):
-        raise NotImplementedError(
-            "ffn_impl='sparse' needs pallas_kernels.sparse_gated_mlp_train, which this "
-            "pallas_kernels does not provide; train with ffn_impl='dense'."
-        )
     out, stats = pallas_kernels.sparse_gated_mlp_train(x, w["w_gate"], w["w_up"], w["w_down"])
     # lax.cond with the dense branch needs identical structures and dtypes.
     return out.astype(x.dtype), {
