@@ -5,16 +5,22 @@ out = (relu(x Wg^T) * (x Wu^T)) Wd with the ELL path of twell.md §5:
 forward   U = x Wg^T (dense XLA GEMM, bf16 out) -> Pallas compaction of P = relu(U)
           into ELL rows of width W (true counts kept); rows with more than W positives
           go to a dense tail whose static capacity is picked on the device from a few
-          buckets (`lax.switch`); one Pallas row kernel computes R = x Wu^T only at P's
-          entries (SDDMM), T = P * R, sum |T| and out = T Wd (SpMM); the tail rows run
-          the dense formula (XLA) on a [C, H] gather.
-backward  one Pallas row kernel: dT = gO Wd^T at the entries + (dL/dl1 / M) sign(T),
-          dR = dT P, dU = dT R, dx = dR Wu + dU Wg (one fp32 accumulator); an XLA
+          buckets (`lax.switch`); Pallas row kernels compute R = x Wu^T only at P's
+          entries (SDDMM), T = P * R, sum |T| and out = T Wd (SpMM; one fused kernel
+          with `fuse_fwd_rows`); the tail rows run the dense formula (XLA) on a [C, H]
+          gather.
+backward  Pallas row kernels: dT = gO Wd^T at the entries + (dL/dl1 / M) sign(T),
+          dR = dT P, dU = dT R, then dx = dR Wu + dU Wg (one fp32 accumulator); an XLA
           stable sort builds the neuron-sorted (CSC) index; a Pallas kernel per neuron
           computes dWu = dR^T x, dWg = dU^T x, dWd = T^T gO; the tail rows through
           `jax.vjp` of the dense formula on their gather (XLA).
 fallback  when the heavy rows exceed the largest tail capacity, the whole call (forward
           and backward) runs the dense formula; `stats["dense_fallback"]` says so.
+
+No host round trips: the choices (tail bucket, fallback) are `lax.cond` / `lax.switch`
+on device values whose branches hold only kernels, GEMMs and fusions, so XLA runs them
+as CUDA-graph conditionals (see `_fallback_blocks` and `hybrid_format.build_csc` for
+what that takes).
 
 The L1 term is differentiable through `stats["l1"]`: a loss `f(out) + lam * stats["l1"]`
 gets exactly the gradient of the dense reference with its L1 term. `l1_coef` adds the
