@@ -193,32 +193,25 @@ def tune(
     """
     args = synthetic_inputs(0, M, H, N, nnz)
     base = SparseTrainConfig()
-    out = []
-    for rows, cols, warps in compact_options:
-        cfg = dataclasses.replace(
-            base, compact_block_rows=rows, compact_block_cols=cols, compact_num_warps=warps
-        )
-        ms = _breakdown(*args, config=cfg, samples=samples, only=("compact",))
-        out.append(
-            {
-                "compact_block_rows": rows,
-                "compact_block_cols": cols,
-                "compact_num_warps": warps,
-                **ms,
-            }
-        )
-    for chunk, block_h, warps in row_options:
-        # The shared launch for every row kernel (no per-kernel overrides).
-        cfg = dataclasses.replace(
-            base, chunk=chunk, block_h=block_h, num_warps=warps, row_launch=()
-        )
-        ms = _breakdown(*args, config=cfg, samples=samples, only=ROW_KERNELS)
-        out.append({"chunk": chunk, "block_h": block_h, "num_warps": warps, **ms})
-    for chunk, block_h, warps in csc_options:
-        cfg = dataclasses.replace(base, csc_chunk=chunk, csc_block_h=block_h, csc_num_warps=warps)
-        ms = _breakdown(*args, config=cfg, samples=samples, only=("spmm_csc",))
-        out.append({"csc_chunk": chunk, "csc_block_h": block_h, "csc_num_warps": warps, **ms})
-    return out
+
+    def sweep(config, fields, options, only):
+        """One dict per option: its config fields and the ms of the `only` stages."""
+        rows = []
+        for values in options:
+            knobs = dict(zip(fields, values, strict=True))
+            cfg = dataclasses.replace(config, **knobs)
+            rows.append({**knobs, **_breakdown(*args, config=cfg, samples=samples, only=only)})
+        return rows
+
+    compact_fields = ("compact_block_rows", "compact_block_cols", "compact_num_warps")
+    csc_fields = ("csc_chunk", "csc_block_h", "csc_num_warps")
+    # The shared launch for every row kernel (no per-kernel overrides).
+    shared_rows = dataclasses.replace(base, row_launch=())
+    return [
+        *sweep(base, compact_fields, compact_options, ("compact",)),
+        *sweep(shared_rows, ("chunk", "block_h", "num_warps"), row_options, ROW_KERNELS),
+        *sweep(base, csc_fields, csc_options, ("spmm_csc",)),
+    ]
 
 
 def run(

@@ -53,6 +53,11 @@ RESIDUALS_NAME = "twell_sparse_residuals"
 ROW_KERNELS = ("sddmm_up", "spmm_down", "sddmm_grad", "spmm_dx", "gated_rows_fwd", "gated_rows_bwd")
 
 
+def _require_pow2(name: str, v: int) -> None:
+    if v <= 0 or v & (v - 1):
+        raise ValueError(f"{name} must be a power of two, got {v}")
+
+
 @dataclasses.dataclass(frozen=True)
 class SparseTrainConfig:
     """Static configuration of `sparse_gated_mlp_train` (hashable).
@@ -94,14 +99,15 @@ class SparseTrainConfig:
             backward kernels take 0.35 + 0.48 ms against 1.09-1.14 ms fused, and the
             forward ones 0.60 against 0.61-0.66 (results/train_tune_h200.json).
 
-    The row kernels' defaults follow the GatedT2D kernel tuned on the H200 (one row per
-    program, 4 whole 4 KB weight rows per step, 4 warps, 1 stage).
+    The shared row-kernel launch (chunk / block_h / num_warps) follows the GatedT2D
+    kernel tuned on the H200 (one row per program, 4 whole 4 KB weight rows per step,
+    4 warps, 1 stage); `row_launch` overrides it per kernel.
     """
 
     ell_width: int = 128
     tail_capacities: tuple[int, ...] = (0, 256, 1024, 2048)
     impl: str = "pallas"
-    compact_block_rows: int = 16  # H200, M=16384: 0.46 ms (32 rows / 8 warps: 0.52)
+    compact_block_rows: int = 16  # H200, M=16384: 0.35 ms (32 rows / 8 warps: 0.37)
     compact_block_cols: int = 256
     compact_num_warps: int = 4
     compact_method: str = "select"
@@ -130,25 +136,24 @@ class SparseTrainConfig:
             raise ValueError(f"impl must be 'pallas' or 'xla', got {self.impl!r}")
         pow2 = ("ell_width", "compact_block_rows", "compact_block_cols", "chunk", "block_h")
         for name in (*pow2, "csc_chunk", "csc_block_h", "csc_num_warps", "compact_num_warps"):
-            v = getattr(self, name)
-            if v <= 0 or v & (v - 1):
-                raise ValueError(f"{name} must be a power of two, got {v}")
-        if self.ell_width % self.chunk:
-            raise ValueError(f"ell_width {self.ell_width} is not a multiple of chunk {self.chunk}")
+            _require_pow2(name, getattr(self, name))
+        self._require_chunk_fits(self.chunk)
         for kernel, chunk, block_h, warps in self.row_launch:
             if kernel not in ROW_KERNELS:
                 raise ValueError(f"row_launch: unknown kernel {kernel!r}; one of {ROW_KERNELS}")
             for name, v in (("chunk", chunk), ("block_h", block_h), ("num_warps", warps)):
-                if v <= 0 or v & (v - 1):
-                    raise ValueError(f"{name} of {kernel} must be a power of two, got {v}")
-            if self.ell_width % chunk:
-                raise ValueError(f"ell_width {self.ell_width} is not a multiple of chunk {chunk}")
+                _require_pow2(f"{name} of {kernel}", v)
+            self._require_chunk_fits(chunk)
         if self.compact_method not in st.COMPACT_METHODS:
             raise ValueError(
                 f"compact_method must be one of {st.COMPACT_METHODS}, got {self.compact_method!r}"
             )
         if self.fallback_block_rows < 1:
             raise ValueError(f"fallback_block_rows must be >= 1, got {self.fallback_block_rows}")
+
+    def _require_chunk_fits(self, chunk: int) -> None:
+        if self.ell_width % chunk:
+            raise ValueError(f"ell_width {self.ell_width} is not a multiple of chunk {chunk}")
 
     def compact_kwargs(self) -> dict:
         """Keywords of `sparse_train.compact_rows`."""
