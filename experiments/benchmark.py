@@ -73,8 +73,16 @@ flags.DEFINE_multi_string(
 )
 flags.DEFINE_multi_string(
     "tune_t2d_cfg",
-    ["4,4,1,1", "4,4,1,0", "2,4,1,1", "8,4,1,1", "4,2,1,1", "1,4,1,1"],
-    "T2D group,num_warps,num_stages,cache_hints to try in --mode=tune.",
+    [
+        "split:2,1,1024:4,1,1024",
+        "split:4,1,1024:4,1,1024",
+        "split:2,1,512:4,1,512",
+        "split:2,1,1024:8,1,1024",
+        "split:2,1,1024:4,1,2048",
+        "fused:4,4,2048",
+    ],
+    "GatedT2D launch plans to try in --mode=tune: split:<SDDMM>:<SpMM> or fused:<launch>, "
+    "each launch group,num_warps,block_h.",
 )
 flags.DEFINE_multi_string(
     "tune_pack_cfg",
@@ -106,6 +114,10 @@ def kernel_case(m: int, nnz: float, h: int, n: int, c: int, reps: int, warmup: i
     d2t_two_pass = jax.jit(lambda x, w: twell_pack.gate_then_pack(x, w, compression=c))
     pack = jax.jit(lambda g: twell_pack.pack_tiles(g, compression=c))
     gated_t2d = jax.jit(lambda x, p, a, b, d: t2d_mod.t2d(x, p, (a, b, d), compression=c))
+    fused_plan = t2d_mod.T2DConfig(split=False)
+    gated_t2d_fused = jax.jit(
+        lambda x, p, a, b, d: t2d_mod.t2d(x, p, (a, b, d), compression=c, cfg=fused_plan)
+    )
     t2d = jax.jit(lambda x, p, b, d: t2d_mod.t2d(x, p, (b, d), compression=c))
     twell_gated = jax.jit(
         lambda *a: ops.twell_gated_mlp(*a, compression=c, impl="pallas", return_stats=True)
@@ -133,6 +145,7 @@ def kernel_case(m: int, nnz: float, h: int, n: int, c: int, reps: int, warmup: i
     r["d2t_two_pass_ms"] = timed(d2t_two_pass, x, wg)
     r["pack_ms"] = timed(pack, gate_gemm(x, wg))
     r["gated_t2d_ms"] = timed(gated_t2d, x, packed_g, wg, wu, wd)
+    r["gated_t2d_fused_ms"] = timed(gated_t2d_fused, x, packed_g, wg, wu, wd)
     r["twell_gated_ms"] = timed(twell_gated, x, wg, wu, wd)
     r["speedup_gated"] = r["dense_gated_ms"] / r["twell_gated_ms"]
     r["d2t_over_gemm"] = r["d2t_ms"] / r["gate_gemm_ms"]
@@ -178,6 +191,17 @@ def _ints(spec: str) -> tuple[int, ...]:
     return tuple(int(v) for v in spec.split(","))
 
 
+def _t2d_plan(spec: str) -> t2d_mod.T2DConfig:
+    """ "split:g,w,bh:g,w,bh" (SDDMM, SpMM) or "fused:g,w,bh" -> T2DConfig."""
+    plan, *launches = spec.split(":")
+    launches = [t2d_mod.RowLaunch(*_ints(v)) for v in launches]
+    if plan == "fused" and len(launches) == 1:
+        return t2d_mod.T2DConfig(split=False, fused=launches[0])
+    if plan == "split" and len(launches) == 2:
+        return t2d_mod.T2DConfig(sddmm=launches[0], spmm=launches[1])
+    raise ValueError(f"--tune_t2d_cfg {spec!r}: want split:<g,w,bh>:<g,w,bh> or fused:<g,w,bh>")
+
+
 def _time_configs(kind: str, cfgs, make_fn, args, warmup: int, reps: int) -> list[dict]:
     """Median ms of `make_fn(cfg)(*args)` for each config; a failed compile is a result."""
     rows = []
@@ -219,10 +243,7 @@ def tune(m: int, h: int, n: int, c: int, reps: int, warmup: int) -> dict:
     packed = jax.jit(lambda x, w: twell_pack.gate_then_pack(x, w, compression=c))(x, wg)
     t2d_rows = timed(
         "t2d",
-        [
-            t2d_mod.T2DConfig(g, w, s, bool(hints))
-            for g, w, s, hints in map(_ints, FLAGS.tune_t2d_cfg)
-        ],
+        [_t2d_plan(spec) for spec in FLAGS.tune_t2d_cfg],
         lambda cfg: lambda x, p, a, b, d: t2d_mod.t2d(x, p, (a, b, d), compression=c, cfg=cfg),
         (x, packed, wg, wu, wd),
     )

@@ -1,19 +1,31 @@
-"""T2D and GatedT2D: the down projection (and the fused up projection) from TwELL.
+"""T2D and GatedT2D: the down projection (and the up projection) from TwELL.
 
-One program per token row. The row's x stays in registers; for every TwELL entry j
-the program gathers the contiguous rows Wu[j] and Wd[j] (4 KB each at H = 2048, L2
-hits for the most part), so h_j never leaves registers:
+For every TwELL entry j of a token row (gate value g_j at neuron j):
 
     gated:     u_j = x . Wu[j]        h_j = bf16(g_j * bf16(u_j))     out += h_j Wd[j]
     non-gated: h_j = g_j (the packed value is already relu(x Wu^T))   out += h_j Wd[j]
 
-Rounding follows the dense bf16 XLA MLP (u and h rounded to bf16, fp32 dots and
-accumulation) so the two agree to bf16 summation-order noise; `high_precision`
-keeps u and h in fp32. A tile whose count overflowed its W - 1 slots is recomputed
-from x and the dense weight rows of that tile (gate GEMV, ReLU, up, down), so the
-result stays exact whatever the density; the caller counts those tiles.
+Each entry gathers the contiguous weight rows Wu[j] and Wd[j] (4 KB each at H=2048,
+mostly L2 hits), so the kernels are bound by L2 bandwidth. Two launch plans:
 
-The row's entries are first flattened across tiles (counts -> prefix sums), then
+- split (default): a TwELL SDDMM (one program per row: x in registers, h_j for each
+  entry, written back as TwELL words at the same slots) and a TwELL SpMM (one program
+  per (row, H block): out += h_j Wd[j, block]). The non-gated T2D is the SpMM alone.
+  With one warp per program every reduction stays in shuffles and the registers go to
+  gathers in flight: 3.6-3.7 ms against 4.4 ms for the fused kernel on the H200 at
+  M=131072, ~29 entries per row (results/NOTES.md, session 10).
+- fused (`split=False`): one program per row does both, so h never leaves registers;
+  it needs the whole row's x and fp32 output in registers, hence 4 warps and a
+  cross-warp reduction per entry group.
+
+Rounding follows the dense bf16 XLA MLP (u and h rounded to bf16, fp32 dots and
+accumulation) so the two agree to bf16 summation-order noise; `high_precision` keeps
+u and h in fp32 (the split plan passes h in an fp32 side array). A tile whose count
+overflowed its W - 1 slots is recomputed from x and the dense weight rows of that
+tile (gate GEMV, ReLU, up, down), so the result stays exact whatever the density;
+the caller counts those tiles.
+
+A row's entries are first flattened across tiles (counts -> prefix sums), then
 gathered `group` at a time: vectorising over a tile's W slots instead wastes most of
 the work at about 1.3 entries per tile (spec §6.2), while a scalar entry loop keeps
 too few gathers in flight.
@@ -23,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,19 +46,40 @@ from pallas_kernels import _triton as tr
 from pallas_kernels import twell_format as fmt
 
 MAX_CHUNK = 2048
+_F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class RowLaunch:
+    """Launch of one row kernel.
+
+    group: entries gathered per loop step (a power of two): several independent row
+      gathers in flight per program hide L2 latency.
+    num_warps: warps per program.
+    block_h: width of one gathered piece of a weight row (a power of two; capped at
+      the largest power of two dividing H). The SpMM runs one program per block.
+    """
+
+    group: int
+    num_warps: int
+    block_h: int
 
 
 @dataclasses.dataclass(frozen=True)
 class T2DConfig:
-    """Launch parameters of the T2D kernels (one program per row).
+    """Launch plan of the T2D kernels (module docstring).
 
-    group: entries gathered per loop step (a power of two). Several independent 4 KB
-    row gathers in flight per program hide L2 latency; entries are flattened across
-    tiles first, so a group is never wasted on a tile's empty slots.
+    split: SDDMM + SpMM (default) or the fused kernel.
+    sddmm, spmm: the split plan's launches (H200, M=131072, 29 nnz: SDDMM 1.88 ms at
+      2 / 1 / 1024 against 1.91-2.39 for the other launches tried; SpMM 1.76 ms at
+      4 / 1 / 1024 against 1.79-2.27).
+    fused: the fused kernel's launch (4.5-4.6 ms; 1 or 2 warps were slower).
     """
 
-    group: int = 4
-    num_warps: int = 4
+    split: bool = True
+    sddmm: RowLaunch = RowLaunch(group=2, num_warps=1, block_h=1024)
+    spmm: RowLaunch = RowLaunch(group=4, num_warps=1, block_h=1024)
+    fused: RowLaunch = RowLaunch(group=4, num_warps=4, block_h=2048)
     num_stages: int = 1
     # Weight rows are re-read by every token, activations once: ask L2 to keep the
     # weights (evict_last) and to drop the streamed rows first.
@@ -57,16 +91,23 @@ def h_chunk(h: int) -> int:
     return min(h & -h, MAX_CHUNK)
 
 
+def _is_pow2(v: int) -> bool:
+    return v >= 1 and not v & (v - 1)
+
+
 def t2d_supported(h: int, n: int, compression: int, cfg: T2DConfig) -> str | None:
-    """Why (H, N, C) cannot run, or None when it can."""
+    """Why (H, N, C) cannot run with cfg, or None when it can."""
     try:
         fmt.check_format(n, compression)
     except ValueError as e:
         return str(e)
     if h % 64:
         return f"d_model H={h} must be a multiple of 64"
-    if cfg.group < 1 or cfg.group & (cfg.group - 1):
-        return f"group={cfg.group} must be a power of two"
+    for name in ("sddmm", "spmm", "fused"):
+        launch = getattr(cfg, name)
+        for field in ("group", "num_warps", "block_h"):
+            if not _is_pow2(getattr(launch, field)):
+                return f"{name}.{field}={getattr(launch, field)} must be a power of two"
     return None
 
 
@@ -74,81 +115,105 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def _t2d_kernel(x_ref, packed_ref, *refs, gated, high_precision, slots, chunk, group, hints):
-    """One token row.
+def _iota(n: int) -> jax.Array:
+    return jnp.arange(n, dtype=jnp.int32)
 
-    x_ref [1, H] bf16; packed_ref [1, N/C] uint32; weights [N, H] bf16 (gated: w_gate,
-    w_up, w_down; else w_up, w_down); out_ref [1, H] in x's dtype.
+
+def _round_bf16(v: jax.Array) -> jax.Array:
+    return v.astype(jnp.bfloat16).astype(_F32)
+
+
+def _hidden(g: jax.Array, u: jax.Array, high_precision: bool) -> jax.Array:
+    """Gated h = g * u with the dense bf16 MLP's roundings (none in high precision)."""
+    rnd = (lambda v: v) if high_precision else _round_bf16
+    return rnd(g * rnd(u))
+
+
+class _Entries(NamedTuple):
+    """A row's listed TwELL entries, flattened across tiles (tile-major, column order).
+
+    tile_ids, counts, ends, starts: int32 [next_pow2(n_tiles)]; total: int32 scalar.
+    Overflowed tiles list no entries (their payload is incomplete).
     """
-    if gated:
-        wg_ref, wu_ref, wd_ref, out_ref = refs
-    else:
-        wg_ref = None
-        wu_ref, wd_ref, out_ref = refs
-    h = x_ref.shape[1]
-    n_tiles = packed_ref.shape[1] // slots
-    cols = [pl.ds(c * chunk, chunk) for c in range(h // chunk)]
-    keep, stream = ("evict_last", "evict_first") if hints else (None, None)
-    row = jnp.int32(0)  # an array index: the interpreter's load rejects a Python int here
-    x = [tr.load(x_ref.at[row, col], eviction_policy=stream).astype(jnp.float32) for col in cols]
-    # Gathers index with arrays on both axes: the interpreter cannot mix them with slices.
-    col_ids = [c * chunk + jnp.arange(chunk, dtype=jnp.int32)[None, :] for c in range(len(cols))]
 
-    def gather(w_ref, j, ok, c):
-        """Rows j [G] of w_ref, columns of chunk c: [G, chunk] fp32 (zeros where not ok)."""
-        rows = tr.load(
-            w_ref.at[j[:, None], col_ids[c]], mask=ok[:, None], other=0.0, eviction_policy=keep
+    tile_ids: jax.Array
+    counts: jax.Array
+    ends: jax.Array
+    starts: jax.Array
+    total: jax.Array
+
+    def real(self, n_tiles: int) -> jax.Array:
+        return self.tile_ids < n_tiles
+
+    def any_overflow(self, slots: int) -> jax.Array:
+        return jnp.sum((self.counts >= slots).astype(jnp.int32)) > 0
+
+    def n_steps(self, group: int) -> jax.Array:
+        return (self.total + group - 1) // group
+
+    def positions(self, step, group: int, slots: int) -> tuple[jax.Array, jax.Array]:
+        """Word index in the row [G] of entries step*G .. step*G + G - 1, and validity."""
+        e = step * group + _iota(group)
+        ok = e < self.total
+        tile = jnp.sum((self.ends[None, :] <= e[:, None]).astype(jnp.int32), axis=1)
+        start = jnp.sum(
+            jnp.where(self.tile_ids[None, :] == tile[:, None], self.starts[None, :], 0), axis=1
         )
-        return rows.astype(jnp.float32)
+        return tile * slots + (e - start) + 1, ok
 
-    def round_bf16(v):
-        return v if high_precision else v.astype(jnp.bfloat16).astype(jnp.float32)
 
-    def hidden(g, j, ok):
-        """h for gate values g [G] fp32 of neurons j [G]; ok masks the gathers."""
-        if not gated:
-            return g
-        u = sum(jnp.sum(x[c][None, :] * gather(wu_ref, j, ok, c), axis=1) for c in range(len(x)))
-        return round_bf16(g * round_bf16(u))
-
-    def add_rows(acc, hj, j, ok):
-        """acc += sum_i hj[i] * Wd[j[i]]."""
-        return tuple(
-            a + jnp.sum(hj[:, None] * gather(wd_ref, j, ok, c), axis=0) for c, a in enumerate(acc)
-        )
-
-    # Per-tile counts -> a flat list of the row's entries (tile-major, column order).
-    tile_ids = jnp.arange(_next_pow2(n_tiles), dtype=jnp.int32)
-    real_tile = tile_ids < n_tiles
-    counts = tr.load(packed_ref.at[0, tile_ids * slots], mask=real_tile, other=0)
+def _row_entries(words_ref, row, slots: int, n_tiles: int) -> _Entries:
+    tile_ids = _iota(_next_pow2(n_tiles))
+    counts = tr.load(words_ref.at[row, tile_ids * slots], mask=tile_ids < n_tiles, other=0)
     counts = counts.astype(jnp.int32)
-    overflow = counts >= slots
-    listed = jnp.where(overflow, 0, counts)  # overflowed tiles are recomputed below
+    listed = jnp.where(counts >= slots, 0, counts)  # overflowed tiles are recomputed
     ends = jnp.cumsum(listed)
-    starts = ends - listed
-    total = jnp.sum(listed)
+    return _Entries(tile_ids, counts, ends, ends - listed, jnp.sum(listed))
 
-    def entry_group(step, acc):
-        e = step * group + jnp.arange(group, dtype=jnp.int32)
-        ok = e < total
-        tile = jnp.sum((ends[None, :] <= e[:, None]).astype(jnp.int32), axis=1)
-        start = jnp.sum(jnp.where(tile_ids[None, :] == tile[:, None], starts[None, :], 0), axis=1)
-        word = tr.load(packed_ref.at[0, tile * slots + (e - start) + 1], mask=ok, other=0)
-        j = (word & 0xFFFF).astype(jnp.int32)
-        g = lax.bitcast_convert_type((word >> 16).astype(jnp.uint16), jnp.bfloat16)
-        return add_rows(acc, hidden(g.astype(jnp.float32), j, ok), j, ok)
+
+def _decode(word: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """uint32 words [G] -> (neurons int32 [G], values fp32 [G])."""
+    j = (word & 0xFFFF).astype(jnp.int32)
+    v = lax.bitcast_convert_type((word >> 16).astype(jnp.uint16), jnp.bfloat16)
+    return j, v.astype(_F32)
+
+
+def _gather(w_ref, j, ok, cols, policy) -> jax.Array:
+    """fp32 [G, len(cols)]: columns cols of weight rows j (zeros where not ok)."""
+    w = tr.load(
+        w_ref.at[j[:, None], cols[None, :]], mask=ok[:, None], other=0, eviction_policy=policy
+    )
+    return w.astype(_F32)
+
+
+def _pieces(h: int, block: int) -> list[jax.Array]:
+    """Column ids of the row pieces [block] (gathers index with arrays on both axes:
+    the interpreter cannot mix them with slices)."""
+    return [k * block + _iota(block) for k in range(h // block)]
+
+
+def _dots(x_piece, pieces, w_ref, j, ok, policy) -> jax.Array:
+    """fp32 [G]: x . W[j] for each entry, x given piece by piece (x_piece(k) [block])."""
+    return sum(
+        jnp.sum(x_piece(k)[None, :] * _gather(w_ref, j, ok, cols, policy), axis=1)
+        for k, cols in enumerate(pieces)
+    )
+
+
+def _add_overflowed(acc, words_ref, row, ent, *, slots, group, hidden_of, add_rows):
+    """acc plus the contribution of the row's overflowed tiles, recomputed densely.
+
+    hidden_of(j, ok) gives h [G] of neurons j from x and the dense weights;
+    add_rows(acc, h, j, ok) accumulates h_j Wd[j].
+    """
 
     def dense_tile(t, acc):
-        # Overflowed tile: recompute relu(x . W[j]) for its 256 columns, `group` at a time.
         def columns(step, acc):
-            j = t * fmt.TILE + step * group + jnp.arange(group, dtype=jnp.int32)
+            j = t * fmt.TILE + step * group + _iota(group)
             ok = jnp.ones((group,), jnp.bool_)
-            w_ref = wg_ref if gated else wu_ref
-            g = sum(jnp.sum(x[c][None, :] * gather(w_ref, j, ok, c), axis=1) for c in range(len(x)))
-            g = jnp.maximum(g, 0.0).astype(jnp.bfloat16).astype(jnp.float32)
-            return add_rows(acc, hidden(g, j, ok), j, ok)
+            return add_rows(acc, hidden_of(j, ok), j, ok)
 
-        count = packed_ref[0, t * slots].astype(jnp.int32)
+        count = words_ref[row, t * slots].astype(jnp.int32)
         return lax.cond(
             count >= slots,
             lambda acc: lax.fori_loop(0, fmt.TILE // group, columns, acc),
@@ -156,16 +221,148 @@ def _t2d_kernel(x_ref, packed_ref, *refs, gated, high_precision, slots, chunk, g
             acc,
         )
 
-    acc = tuple(jnp.zeros((chunk,), jnp.float32) for _ in cols)
-    acc = lax.fori_loop(0, (total + group - 1) // group, entry_group, acc)
-    acc = lax.cond(
-        jnp.sum(overflow.astype(jnp.int32)) > 0,
-        lambda acc: lax.fori_loop(0, n_tiles, dense_tile, acc),
+    return lax.cond(
+        ent.any_overflow(slots),
+        lambda acc: lax.fori_loop(0, words_ref.shape[1] // slots, dense_tile, acc),
         lambda acc: acc,
         acc,
     )
-    for a, col in zip(acc, cols, strict=True):
-        tr.store(out_ref.at[row, col], a.astype(out_ref.dtype), eviction_policy=stream)
+
+
+def _dense_hidden(x_piece, pieces, w_dense, j, ok, *, high_precision, policy):
+    """h of neurons j recomputed from x: relu(x Wg^T) * (x Wu^T) for w_dense = (Wg, Wu),
+    relu(x Wu^T) for w_dense = (Wu,)."""
+    g = _round_bf16(jnp.maximum(_dots(x_piece, pieces, w_dense[0], j, ok, policy), 0.0))
+    if len(w_dense) == 1:
+        return g
+    return _hidden(g, _dots(x_piece, pieces, w_dense[1], j, ok, policy), high_precision)
+
+
+def _policies(hints: bool) -> tuple[str | None, str | None]:
+    """(weights, streamed rows) L2 eviction policies."""
+    return ("evict_last", "evict_first") if hints else (None, None)
+
+
+# ------------------------------------------------------------------------ fused kernel
+
+
+def _fused_kernel(x_ref, packed_ref, *refs, gated, high_precision, slots, group, block, hints):
+    """One token row: out[row] = sum over entries of h_j Wd[j].
+
+    x_ref [M, H] bf16; packed_ref [M, N/C] uint32; weights [N, H] bf16 (gated: w_gate,
+    w_up, w_down; else w_up, w_down); out_ref [M, H] in x's dtype.
+    """
+    if gated:
+        wg_ref, wu_ref, wd_ref, out_ref = refs
+    else:
+        wg_ref, (wu_ref, wd_ref, out_ref) = None, refs
+    keep, stream = _policies(hints)
+    row = pl.program_id(0)
+    n_tiles = packed_ref.shape[1] // slots
+    pieces = _pieces(x_ref.shape[1], block)
+    x = [tr.load(x_ref.at[row, cols], eviction_policy=stream).astype(_F32) for cols in pieces]
+    x_piece = x.__getitem__
+
+    def add_rows(acc, hv, j, ok):
+        return tuple(
+            a + jnp.sum(hv[:, None] * _gather(wd_ref, j, ok, cols, keep), axis=0)
+            for a, cols in zip(acc, pieces, strict=True)
+        )
+
+    def entry_group(step, acc):
+        pos, ok = ent.positions(step, group, slots)
+        j, g = _decode(tr.load(packed_ref.at[row, pos], mask=ok, other=0))
+        if gated:
+            g = _hidden(g, _dots(x_piece, pieces, wu_ref, j, ok, keep), high_precision)
+        return add_rows(acc, g, j, ok)
+
+    ent = _row_entries(packed_ref, row, slots, n_tiles)
+    acc = tuple(jnp.zeros((block,), _F32) for _ in pieces)
+    acc = lax.fori_loop(0, ent.n_steps(group), entry_group, acc)
+    acc = _add_overflowed(
+        acc, packed_ref, row, ent, slots=slots, group=group, add_rows=add_rows,
+        hidden_of=functools.partial(
+            _dense_hidden, x_piece, pieces, (wg_ref, wu_ref) if gated else (wu_ref,),
+            high_precision=high_precision, policy=keep,
+        ),
+    )  # fmt: skip
+    for a, cols in zip(acc, pieces, strict=True):
+        tr.store(out_ref.at[row, cols], a.astype(out_ref.dtype), eviction_policy=stream)
+
+
+# ----------------------------------------------------------------- split: SDDMM, SpMM
+
+
+def _sddmm_kernel(x_ref, packed_ref, wu_ref, words_ref, *h32_ref, high_precision, slots, group,
+                  block, hints):  # fmt: skip
+    """One token row: h_j = g_j * (x . Wu[j]) at every listed entry of the gate.
+
+    Writes words_ref [M, N/C] uint32: the gate's count words (true counts, also past
+    capacity) and, at each listed entry's slot, (bf16(h_j) << 16) | j; in high
+    precision also h32_ref [M, N/C] fp32 = h_j at the same slots.
+    """
+    keep, stream = _policies(hints)
+    row = pl.program_id(0)
+    n_tiles = packed_ref.shape[1] // slots
+    pieces = _pieces(x_ref.shape[1], block)
+    x = [tr.load(x_ref.at[row, cols], eviction_policy=stream).astype(_F32) for cols in pieces]
+    ent = _row_entries(packed_ref, row, slots, n_tiles)
+    tr.store(
+        words_ref.at[row, ent.tile_ids * slots],
+        ent.counts.astype(jnp.uint32),
+        mask=ent.real(n_tiles),
+    )
+
+    def entry_group(step, carry):
+        pos, ok = ent.positions(step, group, slots)
+        j, g = _decode(tr.load(packed_ref.at[row, pos], mask=ok, other=0))
+        hv = _hidden(g, _dots(x.__getitem__, pieces, wu_ref, j, ok, keep), high_precision)
+        tr.store(words_ref.at[row, pos], fmt.encode_words(hv, j), mask=ok)
+        if h32_ref:
+            tr.store(h32_ref[0].at[row, pos], hv, mask=ok)
+        return carry
+
+    lax.fori_loop(0, ent.n_steps(group), entry_group, 0)
+
+
+def _spmm_kernel(x_ref, words_ref, *refs, gated, high_precision, slots, group, block, hints):
+    """Program (row, H block): out[row, block] = sum over entries of h_j Wd[j, block].
+
+    words_ref [M, N/C] uint32 holds h_j (the SDDMM's words, or the non-gated packed
+    activation); refs: [h32_ref (high precision)], the weights an overflowed tile is
+    recomputed from ((w_gate, w_up) gated, (w_up,) non-gated), w_down, out_ref.
+    """
+    h32_ref = refs[0] if high_precision and gated else None
+    refs = refs[1:] if h32_ref is not None else refs
+    *w_dense, wd_ref, out_ref = refs
+    keep, stream = _policies(hints)
+    row, hb = pl.program_id(0), pl.program_id(1)
+    n_tiles = words_ref.shape[1] // slots
+    d = hb * block + _iota(block)
+    ent = _row_entries(words_ref, row, slots, n_tiles)
+
+    def add_rows(acc, hv, j, ok):
+        return acc + jnp.sum(hv[:, None] * _gather(wd_ref, j, ok, d, keep), axis=0)
+
+    def entry_group(step, acc):
+        pos, ok = ent.positions(step, group, slots)
+        j, hv = _decode(tr.load(words_ref.at[row, pos], mask=ok, other=0))
+        if h32_ref is not None:
+            hv = tr.load(h32_ref.at[row, pos], mask=ok, other=0)
+        return add_rows(acc, hv, j, ok)
+
+    acc = lax.fori_loop(0, ent.n_steps(group), entry_group, jnp.zeros((block,), _F32))
+    # Overflowed tiles (rare): x is re-read piece by piece rather than held, so this
+    # path does not raise the common path's register count.
+    pieces = _pieces(x_ref.shape[1], block)
+    x_piece = lambda k: tr.load(x_ref.at[row, pieces[k]]).astype(_F32)
+    acc = _add_overflowed(
+        acc, words_ref, row, ent, slots=slots, group=group, add_rows=add_rows,
+        hidden_of=functools.partial(
+            _dense_hidden, x_piece, pieces, w_dense, high_precision=high_precision, policy=keep
+        ),
+    )  # fmt: skip
+    tr.store(out_ref.at[row, d], acc.astype(out_ref.dtype), eviction_policy=stream)
 
 
 def t2d(
@@ -187,7 +384,7 @@ def t2d(
         non-gated one; each [N, H] bf16, w_down being down_proj transposed.
       compression: C in {8, 4, 2} of `packed`.
       high_precision: keep u and h in fp32 instead of rounding them to bf16.
-      cfg: launch parameters.
+      cfg: launch plan.
       interpret: run the Pallas interpreter (None: only when there is no GPU).
 
     Returns:
@@ -199,28 +396,34 @@ def t2d(
     if reason:
         raise ValueError(f"t2d: {reason}")
     gated = len(weights) == 3
-    kernel = functools.partial(
-        _t2d_kernel,
-        gated=gated,
-        high_precision=high_precision,
-        slots=fmt.slots_per_tile(compression),
-        chunk=h_chunk(h),
-        group=cfg.group,
-        hints=cfg.cache_hints,
-    )
-    row = lambda i: (i, 0)
-    whole = lambda i: (0, 0)
-    return tr.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct((m, h), x.dtype),
-        grid=(m,),
-        in_specs=[
-            pl.BlockSpec((1, h), row),
-            pl.BlockSpec((1, packed.shape[1]), row),
-            *[pl.BlockSpec((n, h), whole) for _ in weights],
-        ],
-        out_specs=pl.BlockSpec((1, h), row),
-        compiler_params=tr.compiler_params(cfg.num_warps, cfg.num_stages),
-        interpret=tr.resolve_interpret(interpret),
-        name=f"twell_{'gated_' if gated else ''}t2d_c{compression}",
-    )(x, packed, *weights)
+    slots = fmt.slots_per_tile(compression)
+    interpret = tr.resolve_interpret(interpret)
+    hints = cfg.cache_hints
+    tag = f"{'gated_' if gated else ''}t2d_c{compression}"
+    out_shape = jax.ShapeDtypeStruct((m, h), x.dtype)
+
+    def launch(kernel, launch_cfg, grid, name, out_shapes, *args):
+        block = min(launch_cfg.block_h, h_chunk(h))
+        return tr.pallas_call(
+            functools.partial(kernel, slots=slots, group=launch_cfg.group, block=block,
+                              hints=hints),
+            out_shape=out_shapes,
+            grid=grid(block),
+            compiler_params=tr.compiler_params(launch_cfg.num_warps, cfg.num_stages),
+            interpret=interpret,
+            name=f"twell_{name}_{tag}",
+        )(*args)  # fmt: skip
+
+    if not cfg.split:
+        kernel = functools.partial(_fused_kernel, gated=gated, high_precision=high_precision)
+        return launch(kernel, cfg.fused, lambda b: (m,), "fused", out_shape, x, packed, *weights)
+    spmm = functools.partial(_spmm_kernel, gated=gated, high_precision=high_precision)
+    spmm_grid = lambda b: (m, h // b)  # rows fastest: one H block of Wd is live at a time
+    if not gated:
+        return launch(spmm, cfg.spmm, spmm_grid, "spmm", out_shape, x, packed, *weights)
+    words = jax.ShapeDtypeStruct(packed.shape, jnp.uint32)
+    sddmm_out = (words, jax.ShapeDtypeStruct(packed.shape, _F32)) if high_precision else words
+    sddmm = functools.partial(_sddmm_kernel, high_precision=high_precision)
+    hidden = launch(sddmm, cfg.sddmm, lambda b: (m,), "sddmm", sddmm_out, x, packed, weights[1])
+    hidden = hidden if high_precision else (hidden,)
+    return launch(spmm, cfg.spmm, spmm_grid, "spmm", out_shape, x, *hidden, *weights)

@@ -10,6 +10,7 @@ Two kinds of numeric checks:
 Each runs in the Pallas interpreter (CPU CI) and, marked `gpu`, compiled on the GPU.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -20,7 +21,7 @@ import pytest
 from pallas_kernels import reference
 from pallas_kernels import twell_format as fmt
 from pallas_kernels.d2t import d2t
-from pallas_kernels.t2d import T2DConfig, t2d
+from pallas_kernels.t2d import RowLaunch, T2DConfig, t2d
 from tests.kernel_cases import (
     INTERPRET_AND_GPU,
     SMALL_D2T,
@@ -96,30 +97,46 @@ def _packed(x, w_sparse, compression):
     return fmt.pack(reference.hidden(x, w_sparse), compression)
 
 
+# The two launch plans: SDDMM + SpMM (default) and the fused kernel. The small block_h
+# of the split plan's SpMM gives several H blocks per row at test widths.
+PLANS = {
+    "split": T2DConfig(spmm=RowLaunch(group=4, num_warps=1, block_h=64)),
+    "fused": T2DConfig(split=False),
+}
+plans = pytest.mark.parametrize("plan", list(PLANS))
+
+
 @pytest.mark.parametrize("interpret", INTERPRET_AND_GPU)
 @pytest.mark.parametrize("compression", fmt.COMPRESSIONS)
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
 @pytest.mark.parametrize("bias", [12.0, 0.0], ids=["sparse", "overflowing"])
-def test_t2d_exact(interpret, compression, gated, bias):
+@plans
+def test_t2d_exact(interpret, compression, gated, bias, plan):
     """Bitwise equal to the dense MLP on integer inputs, overflowed tiles included."""
     x, ws, wu, wd = integer_mlp(2, 21, 128, 512, bias)
     x = x.at[4].set(0)
     weights = (ws, wu, wd) if gated else (ws, wd)
-    out = t2d(x, _packed(x, ws, compression), weights, compression=compression, interpret=interpret)
+    packed = _packed(x, ws, compression)
+    out = t2d(x, packed, weights, compression=compression, cfg=PLANS[plan], interpret=interpret)
     want = reference.gated_mlp(x, *weights) if gated else reference.mlp(x, *weights)
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
 
 
 @pytest.mark.parametrize("interpret", INTERPRET_AND_GPU)
 @pytest.mark.parametrize("group", [1, 2, 8])
-def test_t2d_entry_groups(interpret, group):
+@plans
+def test_t2d_entry_groups(interpret, group, plan):
     x, ws, wu, wd = integer_mlp(3, 9, 128, 768, 10.0)
+    one = RowLaunch(group=group, num_warps=1, block_h=64)
+    cfg = dataclasses.replace(
+        PLANS[plan], sddmm=one, spmm=one, fused=RowLaunch(group=group, num_warps=4, block_h=64)
+    )
     out = t2d(
         x,
         _packed(x, ws, 4),
         (ws, wu, wd),
         compression=4,
-        cfg=T2DConfig(group=group),
+        cfg=cfg,
         interpret=interpret,
     )
     np.testing.assert_array_equal(
@@ -129,18 +146,21 @@ def test_t2d_entry_groups(interpret, group):
 
 @pytest.mark.parametrize("interpret", INTERPRET_AND_GPU)
 @pytest.mark.parametrize("h", [1024, 2048, 192])
-def test_t2d_d_model_sizes(interpret, h):
+@plans
+def test_t2d_d_model_sizes(interpret, h, plan):
     """Production H, another power of two, and a non-power-of-two H (chunked loads)."""
     x, ws, wu, wd = integer_mlp(4, 4, h, 256, 0.0, gated_bias=False)
     x = x.at[:, 1:].set(jnp.clip(x[:, 1:], -1, 1))
     ws = ws.at[:, 0].set(-float(h) / 8)
-    out = t2d(x, _packed(x, ws, 8), (ws, wu, wd), compression=8, interpret=interpret)
+    cfg = T2DConfig(split=plan == "split")  # production block_h: H=2048 gives 2 SpMM blocks
+    out = t2d(x, _packed(x, ws, 8), (ws, wu, wd), compression=8, cfg=cfg, interpret=interpret)
     assert_bf16_close(out, x, (ws, wu, wd), gated=True)
 
 
 @pytest.mark.parametrize("interpret", INTERPRET_AND_GPU)
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
-def test_t2d_random_bf16_rule(interpret, gated):
+@plans
+def test_t2d_random_bf16_rule(interpret, gated, plan):
     rng = np.random.default_rng(5)
     m, h, n = 16, 256, 512
     x = rng.standard_normal((m, h)).astype(np.float32)
@@ -150,12 +170,13 @@ def test_t2d_random_bf16_rule(interpret, gated):
     wu, wd = (rng.standard_normal((n, h)) * 0.06 for _ in range(2))
     x, ws, wu, wd = (jnp.asarray(a, jnp.bfloat16) for a in (x, ws, wu, wd))
     weights = (ws, wu, wd) if gated else (ws, wd)
-    out = t2d(x, _packed(x, ws, 8), weights, compression=8, interpret=interpret)
+    out = t2d(x, _packed(x, ws, 8), weights, compression=8, cfg=PLANS[plan], interpret=interpret)
     assert_bf16_close(out, x, weights, gated)
 
 
 @pytest.mark.parametrize("interpret", INTERPRET_AND_GPU)
-def test_t2d_high_precision_is_closer_to_fp32(interpret):
+@plans
+def test_t2d_high_precision_is_closer_to_fp32(interpret, plan):
     rng = np.random.default_rng(6)
     x = jnp.asarray(rng.standard_normal((8, 128)), jnp.bfloat16).at[:, 0].set(1)
     ws, wu, wd = (
@@ -166,9 +187,12 @@ def test_t2d_high_precision_is_closer_to_fp32(interpret):
     gate = reference.hidden(x, ws).astype(jnp.float32)
     up = jnp.dot(x.astype(jnp.float32), wu.astype(jnp.float32).T)
     truth = jnp.dot(gate * up, wd.astype(jnp.float32))
-    out = t2d(x, packed, (ws, wu, wd), compression=4, high_precision=True, interpret=interpret)
-    low = t2d(x, packed, (ws, wu, wd), compression=4, interpret=interpret)
-    err_hi = float(jnp.max(jnp.abs(out.astype(jnp.float32) - truth)))
+    cfg = PLANS[plan]
+    hp = t2d(
+        x, packed, (ws, wu, wd), compression=4, high_precision=True, cfg=cfg, interpret=interpret
+    )
+    low = t2d(x, packed, (ws, wu, wd), compression=4, cfg=cfg, interpret=interpret)
+    err_hi = float(jnp.max(jnp.abs(hp.astype(jnp.float32) - truth)))
     err_lo = float(jnp.max(jnp.abs(low.astype(jnp.float32) - truth)))
     scale = float(jnp.max(jnp.abs(truth)))
     assert err_hi <= 8e-3 * scale  # output rounding to bf16 only
@@ -190,7 +214,8 @@ def test_d2t_lowers_for_cuda(compression):
 @pytest.mark.parametrize("compression", fmt.COMPRESSIONS)
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
 @pytest.mark.parametrize("high_precision", [False, True], ids=["bf16", "hp"])
-def test_t2d_lowers_for_cuda(compression, gated, high_precision):
+@pytest.mark.parametrize("split", [True, False], ids=["split", "fused"])
+def test_t2d_lowers_for_cuda(compression, gated, high_precision, split):
     x = jnp.zeros((M_PROD, H_PROD), jnp.bfloat16)
     packed = jnp.zeros((M_PROD, N_PROD // compression), jnp.uint32)
     w = jnp.zeros((N_PROD, H_PROD), jnp.bfloat16)
@@ -203,10 +228,12 @@ def test_t2d_lowers_for_cuda(compression, gated, high_precision):
             weights,
             compression=compression,
             high_precision=high_precision,
+            cfg=T2DConfig(split=split),
             interpret=False,
         )
 
-    assert count_triton_calls(fn, x, packed, *weights) == 1
+    # split gated: SDDMM then SpMM; split non-gated: the SpMM alone; fused: one kernel.
+    assert count_triton_calls(fn, x, packed, *weights) == (2 if split and gated else 1)
 
 
 def test_t2d_lowers_for_cuda_at_non_power_of_two_width():
@@ -214,7 +241,7 @@ def test_t2d_lowers_for_cuda_at_non_power_of_two_width():
     w = jnp.zeros((3072, 768), jnp.bfloat16)
     packed = jnp.zeros((M_PROD, 3072 // 8), jnp.uint32)
     fn = lambda x, p, a, b, c: t2d(x, p, (a, b, c), interpret=False)
-    assert count_triton_calls(fn, x, packed, w, w, w) == 1
+    assert count_triton_calls(fn, x, packed, w, w, w) == 2
 
 
 @pytest.mark.gpu

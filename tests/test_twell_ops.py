@@ -148,7 +148,7 @@ def test_ops_lower_for_cuda(gated):
     w = jnp.zeros((5632, 2048), jnp.bfloat16)
     if gated:
         fn = lambda x, a, b, c: pk.twell_gated_mlp(x, a, b, c, impl="pallas")
-        assert count_triton_calls(fn, x, w, w, w) == 2
+        assert count_triton_calls(fn, x, w, w, w) == 3  # pack, SDDMM, SpMM
     else:
         fn = lambda x, a, b: pk.twell_mlp(x, a, b, impl="pallas")
-        assert count_triton_calls(fn, x, w, w) == 2
+        assert count_triton_calls(fn, x, w, w) == 2  # pack, SpMM
