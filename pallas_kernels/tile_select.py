@@ -25,18 +25,19 @@ _LANE_SHIFT = 16
 
 
 def entry_keys(values: jax.Array, positive: jax.Array, lane: jax.Array) -> jax.Array:
-    """int32 [R, T] keys that sort a tile's positive entries by column.
+    """int32 keys (values' shape) that sort a tile's positive entries by column.
 
     Args:
-        values: [R, T] the tile (any float dtype).
-        positive: bool [R, T], the entries.
-        lane: int32 [T], column within the tile (< 2**15).
+        values: [R, T] the tile (any float dtype), or [R, T / S, S] (S consecutive
+            columns per group).
+        positive: bool, values' shape: the entries.
+        lane: int32 [T], column within the tile (< 2**15); [T / S, S] for groups.
 
     Returns:
         (lane << 16) | value bits for 16-bit values (lane alone otherwise); NO_ENTRY
         where not positive.
     """
-    keys = jnp.broadcast_to(lane[None, :] << _LANE_SHIFT, values.shape)
+    keys = jnp.broadcast_to(lane[None] << _LANE_SHIFT, values.shape)
     if values.dtype.itemsize == 2:
         # Positive 16-bit floats have the sign bit clear: their bits fit the low half.
         keys = keys | lax.bitcast_convert_type(values, jnp.int16).astype(jnp.int32)
@@ -61,15 +62,24 @@ def key_value(key: jax.Array, values: jax.Array, lane: jax.Array) -> jax.Array:
     return jnp.max(jnp.where(hit, values, 0), axis=1).astype(values.dtype)
 
 
+def next_keys(keys: jax.Array, prev: jax.Array) -> jax.Array:
+    """Per row, the smallest key above prev: keys [R, ...] (any rank), prev [R] -> [R]."""
+    above = jnp.where(keys > prev[(slice(None),) + (None,) * (keys.ndim - 1)], keys, NO_ENTRY)
+    while above.ndim > 1:  # one axis at a time: innermost first (in-thread when blocked)
+        above = jnp.min(above, axis=-1)
+    return above
+
+
 def for_each_entry(keys: jax.Array, n_rounds: jax.Array, body) -> None:
     """Calls body(j, key) for j in [0, n_rounds): key [R] is each row's j-th key.
 
-    Rows with fewer than j + 1 entries get NO_ENTRY. n_rounds may be a traced scalar
-    (a dynamic loop: sparse blocks run few rounds).
+    keys: [R, ...] per-row keys of any rank. Rows with fewer than j + 1 entries get
+    NO_ENTRY. n_rounds may be a traced scalar (a dynamic loop: sparse blocks run few
+    rounds).
     """
 
     def step(j, prev):
-        key = jnp.min(jnp.where(keys > prev[:, None], keys, NO_ENTRY), axis=1)
+        key = next_keys(keys, prev)
         body(j, key)
         return key
 

@@ -21,6 +21,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _triton as tr
@@ -28,7 +29,7 @@ from pallas_kernels import reference
 from pallas_kernels import tile_select as ts
 from pallas_kernels import twell_format as fmt
 
-METHODS = ("select", "cumsum", "matmul")
+METHODS = ("grouped", "select", "cumsum", "matmul")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,15 +37,70 @@ class PackConfig:
     """Launch parameters of the pack kernel.
 
     block_m rows x one 256-column tile per program; method is how entries reach their
-    words: "select" (`tile_select`: one row-wise min-reduction and one [block_m]
-    store per entry of the fullest row), or a scatter of the whole tile at in-tile
-    prefix counts taken by "cumsum" (a Triton scan) or "matmul" (against an
-    upper-triangular ones matrix on the tensor cores).
+    words:
+    - "grouped" (default): the tile is read as [block_m, 256 / group, group]; each
+      thread holds whole groups, so the per-group entry count and first key are
+      in-thread reductions, and while no group has more than 2 entries the words go
+      out as one or two [block_m, 256 / group] scatters at prefix counts over groups.
+      Busier blocks fall back to "select" rounds. A +NaN counts as an entry (it
+      propagates, as through the dense MLP's ReLU); the other methods drop it.
+    - "select" (`tile_select`): one row-wise min-reduction and one [block_m] store
+      per entry of the fullest row;
+    - a scatter of the whole tile at in-tile prefix counts taken by "cumsum" (a
+      Triton scan) or "matmul" (against an upper-triangular ones matrix).
+    H200, M=131072, N=5632, ~29 entries per row: grouped 8 / 2 warps 0.67-0.70 ms,
+    select 8 / 4 warps 0.89, cumsum 1.32, matmul 3.4x cumsum (results/NOTES.md).
     """
 
-    block_m: int = 8  # H200, M=131072, N=5632, cumsum: 1.32 ms (16/4: 1.40, 32/8: 1.42-1.52)
-    num_warps: int = 4
-    method: str = "select"  # matmul: 3.4x slower than cumsum at 32/8
+    block_m: int = 8
+    num_warps: int = 2
+    method: str = "grouped"
+    group: int = 8
+
+
+def _grouped_kernel(h_ref, o_ref, *, m, block_m, slots):
+    """h_ref [BM, 256 / S, S] (bf16) -> o_ref [BM, W] uint32: one TwELL tile of BM rows."""
+    tile = pl.program_id(0)
+    n_groups, size = h_ref.shape[1], h_ref.shape[2]
+    rows = jnp.arange(block_m, dtype=jnp.int32)
+    row_ok = pl.program_id(1) * block_m + rows < m  # the last row block may overhang M
+    h = tr.load(h_ref, mask=row_ok[:, None, None], other=0)
+    # Integer compare of the bits: one op, and a +NaN stays an entry (module docstring).
+    positive = lax.bitcast_convert_type(h, jnp.int16) > 0
+    lane = (
+        jnp.arange(n_groups, dtype=jnp.int32)[:, None] * size
+        + jnp.arange(size, dtype=jnp.int32)[None, :]
+    )
+    keys = ts.entry_keys(h, positive, lane)
+    per_group = jnp.sum(positive.astype(jnp.int32), axis=2)  # [BM, 256 / S]
+    count = jnp.sum(per_group, axis=1)
+    before = jnp.cumsum(per_group, axis=1) - per_group  # entries in earlier groups
+    most = jnp.max(jnp.max(per_group, axis=1))  # one axis at a time: a 2-D max fails to lower
+
+    def store_rank(key, rank):
+        """Stores each group's entry number `rank` (key [BM, 256 / S]) at its word."""
+        word = before + rank + 1  # word 0 is the count
+        keep = (per_group > rank) & (word < slots)
+        word = jnp.where(keep, word, fmt.OUT_OF_TILE_SLOT)
+        words = fmt.encode_words(ts.key_value(key, h, lane), tile * fmt.TILE + ts.key_lane(key))
+        tr.store(o_ref.at[rows[:, None], word], words, mask=keep)
+
+    first = jnp.min(keys, axis=2)
+
+    @pl.when(most <= 2)
+    def _():
+        store_rank(first, 0)
+
+        @pl.when(most == 2)
+        def _():
+            second = jnp.min(jnp.where(keys > first[:, :, None], keys, ts.NO_ENTRY), axis=2)
+            store_rank(second, 1)
+
+    @pl.when(most > 2)
+    def _():
+        _select_into_words(o_ref, h, keys, count, tile, slots)
+
+    tr.store(o_ref.at[:, pl.ds(0, 1)], count.astype(jnp.uint32)[:, None], mask=row_ok[:, None])
 
 
 def _pack_kernel(h_ref, o_ref, *, m, block_m, slots, method):
@@ -57,18 +113,20 @@ def _pack_kernel(h_ref, o_ref, *, m, block_m, slots, method):
     lane = jnp.arange(fmt.TILE, dtype=jnp.int32)
     count = jnp.sum(positive.astype(jnp.int32), axis=1)
     if method == "select":
-        _select_into_words(o_ref, h, positive, lane, count, tile, slots)
+        _select_into_words(o_ref, h, ts.entry_keys(h, positive, lane), count, tile, slots)
     else:
         _scatter_into_words(o_ref, h, positive, lane, tile, slots, method)
     tr.store(o_ref.at[:, pl.ds(0, 1)], count.astype(jnp.uint32)[:, None], mask=row_ok[:, None])
 
 
-def _select_into_words(o_ref, h, positive, lane, count, tile, slots):
-    """Entry j of every row goes to word j + 1, one round per entry (`tile_select`)."""
-    keys = ts.entry_keys(h, positive, lane)
+def _select_into_words(o_ref, h, keys, count, tile, slots):
+    """Entry j of every row goes to word j + 1, one round per entry (`tile_select`).
+
+    keys: the tile's `tile_select.entry_keys` of 16-bit values h ([BM, ...]).
+    """
 
     def store_round(j, key):
-        words = fmt.encode_words(ts.key_value(key, h, lane), tile * fmt.TILE + ts.key_lane(key))
+        words = fmt.encode_words(ts.key_value(key, h, None), tile * fmt.TILE + ts.key_lane(key))
         ok = key != ts.NO_ENTRY
         tr.store(o_ref.at[:, pl.ds(j + 1, 1)], words[:, None], mask=ok[:, None])
 
@@ -103,6 +161,8 @@ def pack_supported(m: int, n: int, compression: int, cfg: PackConfig) -> str | N
         return f"block_m={cfg.block_m} must be a power of two"
     if cfg.method not in METHODS:
         return f"method={cfg.method!r} must be one of {METHODS}"
+    if cfg.group < 1 or cfg.group & (cfg.group - 1) or cfg.group > fmt.TILE:
+        return f"group={cfg.group} must be a power of two <= {fmt.TILE}"
     return None
 
 
@@ -135,14 +195,24 @@ def pack_tiles(
     if reason:
         raise ValueError(f"pack_tiles: {reason}")
     slots = fmt.slots_per_tile(compression)
-    kernel = functools.partial(
-        _pack_kernel, m=m, block_m=cfg.block_m, slots=slots, method=cfg.method
-    )
+    grid = (n // fmt.TILE, pl.cdiv(m, cfg.block_m))
+    if cfg.method == "grouped":
+        kernel = functools.partial(_grouped_kernel, m=m, block_m=cfg.block_m, slots=slots)
+        # A free (row-major) reshape: each (row, tile) block is [256 / S, S].
+        h = h.reshape(m, n // cfg.group, cfg.group)
+        in_spec = pl.BlockSpec(
+            (cfg.block_m, fmt.TILE // cfg.group, cfg.group), lambda t, i: (i, t, 0)
+        )
+    else:
+        kernel = functools.partial(
+            _pack_kernel, m=m, block_m=cfg.block_m, slots=slots, method=cfg.method
+        )
+        in_spec = pl.BlockSpec((cfg.block_m, fmt.TILE), lambda t, i: (i, t))
     return tr.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((m, fmt.packed_width(n, compression)), jnp.uint32),
-        grid=(n // fmt.TILE, pl.cdiv(m, cfg.block_m)),
-        in_specs=[pl.BlockSpec((cfg.block_m, fmt.TILE), lambda t, i: (i, t))],
+        grid=grid,
+        in_specs=[in_spec],
         out_specs=pl.BlockSpec((cfg.block_m, slots), lambda t, i: (i, t)),
         compiler_params=tr.compiler_params(cfg.num_warps, num_stages=1),
         interpret=tr.resolve_interpret(interpret),

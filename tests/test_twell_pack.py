@@ -63,16 +63,48 @@ def test_pack_matches_oracle(interpret, compression, m):
 @pytest.mark.parametrize(
     "cfg",
     [
-        PackConfig(block_m=32, num_warps=8),
+        PackConfig(block_m=32, num_warps=8, group=4),
+        PackConfig(block_m=4, num_warps=2, group=16),
+        PackConfig(block_m=32, num_warps=8, method="select"),
         PackConfig(block_m=32, num_warps=8, method="cumsum"),
         PackConfig(block_m=16, method="matmul"),
     ],
-    ids=["select_bm32", "cumsum_bm32", "matmul_bm16"],
+    ids=["grouped_bm32_g4", "grouped_bm4_g16", "select_bm32", "cumsum_bm32", "matmul_bm16"],
 )
 def test_pack_configs(interpret, cfg):
     h = _adversarial(7, 45, 512)
     packed = pack_tiles(h, compression=4, cfg=cfg, interpret=interpret)
     _assert_same_words(packed, fmt.pack(h, 4), 512, 4)
+
+
+def _grouped_tiers(m=24, n=512):
+    """Row blocks of 8 for each path of the grouped method (groups of 8 columns).
+
+    Rows 0-7: at most one entry per group (the scatter of first entries); row 1 has
+    one in each of a tile's 32 groups, past the 31 slots of C=8. Rows 8-15: one group
+    with two entries (a second scatter). Rows 16-23: a group with three (select rounds).
+    """
+    rng = np.random.default_rng(11)
+    h = np.zeros((m, n), np.float32)
+    for r in range(m):
+        cols = rng.choice(n // 8, size=5, replace=False) * 8 + rng.integers(0, 8, 5)
+        h[r, cols] = rng.random(5) + 0.5
+    h[1, np.arange(32) * 8 + 7] = rng.random(32) + 0.5
+    h[0, 255] = 3.0  # the last lane of a tile
+    h[9, 256 + 8 : 256 + 16] = 0.0
+    h[9, [256 + 9, 256 + 14]] = [2.0, 0.75]
+    h[20, 16:24] = [0, 1.0, 0, 2.0, 0, 0, 1.5, 0]
+    h[12, 300] = -2.0  # a negative is not an entry
+    return jnp.asarray(h, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("interpret", INTERPRET_AND_GPU)
+@pytest.mark.parametrize("compression", [8, 2])
+def test_pack_grouped_tiers(interpret, compression):
+    h = _grouped_tiers()
+    cfg = PackConfig(block_m=8, num_warps=2, method="grouped", group=8)
+    packed = pack_tiles(h, compression=compression, cfg=cfg, interpret=interpret)
+    _assert_same_words(packed, fmt.pack(h, compression), h.shape[1], compression)
 
 
 @pytest.mark.parametrize("interpret", INTERPRET_AND_GPU)
@@ -96,6 +128,7 @@ def test_gate_then_pack_equals_fused_d2t(interpret, m, bias):
         (jnp.zeros((4, 256), jnp.bfloat16), {"compression": 3}, "compression"),
         (jnp.zeros((4, 256), jnp.bfloat16), {"cfg": PackConfig(block_m=48)}, "power of two"),
         (jnp.zeros((4, 256), jnp.bfloat16), {"cfg": PackConfig(method="scan")}, "method"),
+        (jnp.zeros((4, 256), jnp.bfloat16), {"cfg": PackConfig(group=6)}, "group=6"),
         (jnp.zeros((0, 256), jnp.bfloat16), {}, "at least one"),
     ],
 )
