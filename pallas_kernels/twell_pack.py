@@ -4,10 +4,12 @@
 scatter's operands out of the tensor-core accumulator layout. This kernel packs a
 [M, N] activation that XLA's GEMM wrote instead: every program loads one [BM, 256]
 tile in a plain blocked layout and writes its positive entries into that tile's W
-words, by default one entry per row per round (`tile_select`; 1.07 ms at M=131072
-and ~29 non-zeros per row on the H200, against 1.24-1.32 ms for the prefix count and
-scatter that `method="cumsum"` keeps). Programs are independent (one per (row block,
-tile)), so nothing serialises across N.
+words. By default ("grouped") each thread reduces whole 8-column groups in its own
+registers, and the rare entries go out in one or two small scatters at prefix counts
+over groups (0.68-0.72 ms at M=131072 and ~29 non-zeros per row on the H200, against
+0.89-1.03 ms for one entry per row per round (`tile_select`) and 1.24-1.32 ms for the
+whole-tile prefix count and scatter of `method="cumsum"`). Programs are independent
+(one per (row block, tile)), so nothing serialises across N.
 
 The extra traffic is one bf16 write and read of [M, N] (about 0.7 ms at M=131072,
 N=5632 on an H200); what it buys is an XLA (cuBLAS) GEMM instead of a Pallas one
@@ -48,12 +50,13 @@ class PackConfig:
       per entry of the fullest row;
     - a scatter of the whole tile at in-tile prefix counts taken by "cumsum" (a
       Triton scan) or "matmul" (against an upper-triangular ones matrix).
-    H200, M=131072, N=5632, ~29 entries per row: grouped 8 / 2 warps 0.67-0.70 ms,
-    select 8 / 4 warps 0.89, cumsum 1.32, matmul 3.4x cumsum (results/NOTES.md).
+    H200, M=131072, N=5632, ~29 entries per row: grouped 8 / 4 warps 0.68-0.72 ms
+    (8 / 2 and 4 / 1 within 4%), select 8 / 4 warps 0.89-1.03, cumsum 1.32, matmul
+    3.4x cumsum (results/NOTES.md).
     """
 
     block_m: int = 8
-    num_warps: int = 2
+    num_warps: int = 4
     method: str = "grouped"
     group: int = 8
 
