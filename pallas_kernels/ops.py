@@ -11,14 +11,17 @@ on a GPU, xla elsewhere).
 The D2T stage comes in two forms, picked by the type of `d2t_config`:
 - `PackConfig` (the default): XLA's gate GEMM writes the bf16 activation, then the
   `twell_pack` kernel packs it (one [BM, 256] tile per program). It moves 2 x M x N
-  bf16 through HBM, and is still ~1.2x faster on the H200 than
+  bf16 through HBM, and is still ~1.4x faster on the H200 than
 - `D2TConfig`: the fused kernel (gate GEMM with the pack in its epilogue; the dense
   activation never reaches HBM), whose scatter epilogue Triton lowers poorly
   (results/NOTES.md). Both produce the same words.
+The (Gated)T2D stage runs the split plan by default (a TwELL SDDMM, then an H-blocked
+TwELL SpMM; `T2DConfig(split=False)` runs the fused kernel): see `pallas_kernels.t2d`.
 
 Overflow policy: a (row, tile) with more positives than its W - 1 slots keeps its
-true count in the format; the T2D kernel sees it and recomputes that tile from x and
-the dense weight rows, so the output is correct at any density. How many tiles took
+true count in the format; the T2D stage (the SpMM, or the fused kernel) sees it and
+recomputes that tile from x and the dense weight rows, so the output is correct at any
+density. How many tiles took
 that path is reported in `TwellStats.overflow_tiles` (ask with return_stats=True).
 When it is a sizeable fraction, a smaller compression factor (C=4 or 2) is faster.
 

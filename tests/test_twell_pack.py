@@ -139,9 +139,10 @@ def test_pack_rejects_bad_inputs(h, kwargs, message):
 
 @pytest.mark.parametrize("compression", fmt.COMPRESSIONS)
 @pytest.mark.parametrize("method", METHODS)
-def test_pack_lowers_for_cuda(compression, method):
-    """Production shape (M=16384, N=5632) and the default block sizes."""
-    h = jnp.zeros((16384, 5632), jnp.bfloat16)
+@pytest.mark.parametrize("m", [16384, 16383], ids=["whole_blocks", "partial_block"])
+def test_pack_lowers_for_cuda(compression, method, m):
+    """Production shape (N=5632) and the default block sizes; an odd M masks the load."""
+    h = jnp.zeros((m, 5632), jnp.bfloat16)
     fn = functools.partial(
         pack_tiles, compression=compression, cfg=PackConfig(method=method), interpret=False
     )
