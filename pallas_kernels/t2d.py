@@ -132,14 +132,16 @@ def _hidden(g: jax.Array, u: jax.Array, high_precision: bool) -> jax.Array:
 class _Entries(NamedTuple):
     """A row's listed TwELL entries, flattened across tiles (tile-major, column order).
 
-    tile_ids, counts, ends, starts: int32 [next_pow2(n_tiles)]; total: int32 scalar.
+    tile_ids, counts, ends, gaps: int32 [next_pow2(n_tiles)]: tile t's true count, the
+    listed entries up to and including tile t, and the words of tile t that hold no
+    listed entry (its count word and unused or unlisted slots); total: int32 scalar.
     Overflowed tiles list no entries (their payload is incomplete).
     """
 
     tile_ids: jax.Array
     counts: jax.Array
     ends: jax.Array
-    starts: jax.Array
+    gaps: jax.Array
     total: jax.Array
 
     def real(self, n_tiles: int) -> jax.Array:
@@ -151,15 +153,17 @@ class _Entries(NamedTuple):
     def n_steps(self, group: int) -> jax.Array:
         return (self.total + group - 1) // group
 
-    def positions(self, step, group: int, slots: int) -> tuple[jax.Array, jax.Array]:
-        """Word index in the row [G] of entries step*G .. step*G + G - 1, and validity."""
+    def positions(self, step, group: int) -> tuple[jax.Array, jax.Array]:
+        """Word index in the row [G] of entries step*G .. step*G + G - 1, and validity.
+
+        Entry e of tile T sits at word T * W + (e - start_T) + 1, which is e + 1 plus
+        the gap words of the tiles before T: exactly the tiles whose `ends` <= e (an
+        empty tile after T ends at or past T's end, above e). One reduction per step.
+        """
         e = step * group + _iota(group)
         ok = e < self.total
-        tile = jnp.sum((self.ends[None, :] <= e[:, None]).astype(jnp.int32), axis=1)
-        start = jnp.sum(
-            jnp.where(self.tile_ids[None, :] == tile[:, None], self.starts[None, :], 0), axis=1
-        )
-        return tile * slots + (e - start) + 1, ok
+        before = jnp.where(self.ends[None, :] <= e[:, None], self.gaps[None, :], 0)
+        return e + 1 + jnp.sum(before, axis=1), ok
 
 
 def _row_entries(words_ref, row, slots: int, n_tiles: int) -> _Entries:
@@ -167,8 +171,7 @@ def _row_entries(words_ref, row, slots: int, n_tiles: int) -> _Entries:
     counts = tr.load(words_ref.at[row, tile_ids * slots], mask=tile_ids < n_tiles, other=0)
     counts = counts.astype(jnp.int32)
     listed = jnp.where(counts >= slots, 0, counts)  # overflowed tiles are recomputed
-    ends = jnp.cumsum(listed)
-    return _Entries(tile_ids, counts, ends, ends - listed, jnp.sum(listed))
+    return _Entries(tile_ids, counts, jnp.cumsum(listed), slots - listed, jnp.sum(listed))
 
 
 def _decode(word: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -270,7 +273,7 @@ def _fused_kernel(x_ref, packed_ref, *refs, gated, high_precision, slots, group,
         )
 
     def entry_group(step, acc):
-        pos, ok = ent.positions(step, group, slots)
+        pos, ok = ent.positions(step, group)
         j, g = _decode(tr.load(packed_ref.at[row, pos], mask=ok, other=0))
         if gated:
             g = _hidden(g, _dots(x_piece, pieces, wu_ref, j, ok, keep), high_precision)
@@ -314,7 +317,7 @@ def _sddmm_kernel(x_ref, packed_ref, wu_ref, words_ref, *h32_ref, high_precision
     )
 
     def entry_group(step, carry):
-        pos, ok = ent.positions(step, group, slots)
+        pos, ok = ent.positions(step, group)
         j, g = _decode(tr.load(packed_ref.at[row, pos], mask=ok, other=0))
         hv = _hidden(g, _dots(x.__getitem__, pieces, wu_ref, j, ok, keep), high_precision)
         tr.store(words_ref.at[row, pos], fmt.encode_words(hv, j), mask=ok)
@@ -345,7 +348,7 @@ def _spmm_kernel(x_ref, words_ref, *refs, gated, high_precision, slots, group, b
         return acc + jnp.sum(hv[:, None] * _gather(wd_ref, j, ok, d, keep), axis=0)
 
     def entry_group(step, acc):
-        pos, ok = ent.positions(step, group, slots)
+        pos, ok = ent.positions(step, group)
         j, hv = _decode(tr.load(words_ref.at[row, pos], mask=ok, other=0))
         if h32_ref is not None:
             hv = tr.load(h32_ref.at[row, pos], mask=ok, other=0)
