@@ -169,7 +169,11 @@ class _Entries(NamedTuple):
 def _row_entries(words_ref, row, slots: int, n_tiles: int) -> _Entries:
     tile_ids = _iota(_next_pow2(n_tiles))
     counts = tr.load(words_ref.at[row, tile_ids * slots], mask=tile_ids < n_tiles, other=0)
-    counts = counts.astype(jnp.int32)
+    return _entries_of(tile_ids, counts.astype(jnp.int32), slots)
+
+
+def _entries_of(tile_ids: jax.Array, counts: jax.Array, slots: int) -> _Entries:
+    """_Entries of a row's per-tile true counts (int32, 0 on padding tiles)."""
     listed = jnp.where(counts >= slots, 0, counts)  # overflowed tiles are recomputed
     return _Entries(tile_ids, counts, jnp.cumsum(listed), slots - listed, jnp.sum(listed))
 

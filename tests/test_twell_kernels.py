@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import reference
+from pallas_kernels import t2d as t2d_mod
 from pallas_kernels import twell_format as fmt
 from pallas_kernels.d2t import d2t
 from pallas_kernels.t2d import RowLaunch, T2DConfig, t2d
@@ -120,6 +121,25 @@ def test_t2d_exact(interpret, compression, gated, bias, plan):
     out = t2d(x, packed, weights, compression=compression, cfg=PLANS[plan], interpret=interpret)
     want = reference.gated_mlp(x, *weights) if gated else reference.mlp(x, *weights)
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_t2d_entry_positions_match_a_tile_walk(seed):
+    """Entry e's word, from one reduction over the tiles, equals walking the tiles:
+    empty tiles, full tiles and overflowed tiles (listed as empty) included."""
+    rng = np.random.default_rng(seed)
+    slots, n_tiles = 8, 11
+    counts = rng.choice([0, 0, 1, 2, slots - 1, slots, 40], size=n_tiles)
+    padded = np.zeros(t2d_mod._next_pow2(n_tiles), np.int32)  # as the kernels load them
+    padded[:n_tiles] = counts
+    ent = t2d_mod._entries_of(jnp.arange(len(padded)), jnp.asarray(padded), slots)
+    want = [t * slots + 1 + k for t, c in enumerate(counts) if c < slots for k in range(c)]
+    assert int(ent.total) == len(want)
+    got = []
+    for step in range(-(-len(want) // 4)):
+        pos, ok = ent.positions(step, 4)
+        got += [int(p) for p, o in zip(np.asarray(pos), np.asarray(ok), strict=True) if o]
+    assert got == want
 
 
 @pytest.mark.parametrize("interpret", INTERPRET_AND_GPU)
