@@ -199,6 +199,11 @@ def _pieces(h: int, block: int) -> list[jax.Array]:
     return [k * block + _iota(block) for k in range(h // block)]
 
 
+def _load_x(x_ref, row, cols, policy) -> jax.Array:
+    """fp32 [len(cols)]: columns cols of token row `row`."""
+    return tr.load(x_ref.at[row, cols], eviction_policy=policy).astype(_F32)
+
+
 def _dots(x_piece, pieces, w_ref, j, ok, policy) -> jax.Array:
     """fp32 [G]: x . W[j] for each entry, x given piece by piece (x_piece(k) [block])."""
     return sum(
@@ -267,7 +272,7 @@ def _fused_kernel(x_ref, packed_ref, *refs, gated, high_precision, slots, group,
     row = pl.program_id(0)
     n_tiles = packed_ref.shape[1] // slots
     pieces = _pieces(x_ref.shape[1], block)
-    x = [tr.load(x_ref.at[row, cols], eviction_policy=stream).astype(_F32) for cols in pieces]
+    x = [_load_x(x_ref, row, cols, stream) for cols in pieces]
     x_piece = x.__getitem__
 
     def add_rows(acc, hv, j, ok):
@@ -312,7 +317,7 @@ def _sddmm_kernel(x_ref, packed_ref, wu_ref, words_ref, *h32_ref, high_precision
     row = pl.program_id(0)
     n_tiles = packed_ref.shape[1] // slots
     pieces = _pieces(x_ref.shape[1], block)
-    x = [tr.load(x_ref.at[row, cols], eviction_policy=stream).astype(_F32) for cols in pieces]
+    x = [_load_x(x_ref, row, cols, stream) for cols in pieces]
     ent = _row_entries(packed_ref, row, slots, n_tiles)
     tr.store(
         words_ref.at[row, ent.tile_ids * slots],
@@ -362,7 +367,7 @@ def _spmm_kernel(x_ref, words_ref, *refs, gated, high_precision, slots, group, b
     # Overflowed tiles (rare): x is re-read piece by piece rather than held, so this
     # path does not raise the common path's register count.
     pieces = _pieces(x_ref.shape[1], block)
-    x_piece = lambda k: tr.load(x_ref.at[row, pieces[k]]).astype(_F32)
+    x_piece = lambda k: _load_x(x_ref, row, pieces[k], None)
     acc = _add_overflowed(
         acc, words_ref, row, ent, slots=slots, group=group, add_rows=add_rows,
         hidden_of=functools.partial(

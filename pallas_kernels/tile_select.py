@@ -63,9 +63,14 @@ def key_value(key: jax.Array, values: jax.Array, lane: jax.Array) -> jax.Array:
 
 
 def next_keys(keys: jax.Array, prev: jax.Array) -> jax.Array:
-    """Per row, the smallest key above prev: keys [R, ...] (any rank), prev [R] -> [R]."""
-    above = jnp.where(keys > prev[(slice(None),) + (None,) * (keys.ndim - 1)], keys, NO_ENTRY)
-    while above.ndim > 1:  # one axis at a time: innermost first (in-thread when blocked)
+    """The smallest key above prev over keys' trailing axes.
+
+    keys [R, ...] (any rank); prev [R] (per row) or any leading part of keys' shape
+    (e.g. [R, G] per group of [R, G, S] keys) -> prev's shape.
+    """
+    expand = (slice(None),) * prev.ndim + (None,) * (keys.ndim - prev.ndim)
+    above = jnp.where(keys > prev[expand], keys, NO_ENTRY)
+    while above.ndim > prev.ndim:  # one axis at a time: innermost first (in-thread)
         above = jnp.min(above, axis=-1)
     return above
 

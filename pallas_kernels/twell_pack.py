@@ -72,6 +72,11 @@ def _load_block(h_ref, row_ok, whole_blocks: bool):
     return tr.load(h_ref, mask=row_ok[(slice(None),) + (None,) * (len(h_ref.shape) - 1)], other=0)
 
 
+def _key_words(key: jax.Array, h: jax.Array, tile) -> jax.Array:
+    """TwELL words of `tile_select` keys of the 16-bit tile h (any shape of keys)."""
+    return fmt.encode_words(ts.key_value(key, h, None), tile * fmt.TILE + ts.key_lane(key))
+
+
 def _grouped_kernel(h_ref, o_ref, *, m, block_m, slots):
     """h_ref [BM, 256 / S, S] (bf16) -> o_ref [BM, W] uint32: one TwELL tile of BM rows."""
     tile = pl.program_id(0)
@@ -96,8 +101,7 @@ def _grouped_kernel(h_ref, o_ref, *, m, block_m, slots):
         word = before + rank + 1  # word 0 is the count
         keep = (per_group > rank) & (word < slots)
         word = jnp.where(keep, word, fmt.OUT_OF_TILE_SLOT)
-        words = fmt.encode_words(ts.key_value(key, h, lane), tile * fmt.TILE + ts.key_lane(key))
-        tr.store(o_ref.at[rows[:, None], word], words, mask=keep)
+        tr.store(o_ref.at[rows[:, None], word], _key_words(key, h, tile), mask=keep)
 
     first = jnp.min(keys, axis=2)
 
@@ -107,8 +111,7 @@ def _grouped_kernel(h_ref, o_ref, *, m, block_m, slots):
 
         @pl.when(most == 2)
         def _():
-            second = jnp.min(jnp.where(keys > first[:, :, None], keys, ts.NO_ENTRY), axis=2)
-            store_rank(second, 1)
+            store_rank(ts.next_keys(keys, first), 1)
 
     @pl.when(most > 2)
     def _():
@@ -140,7 +143,7 @@ def _select_into_words(o_ref, h, keys, count, tile, slots):
     """
 
     def store_round(j, key):
-        words = fmt.encode_words(ts.key_value(key, h, None), tile * fmt.TILE + ts.key_lane(key))
+        words = _key_words(key, h, tile)
         ok = key != ts.NO_ENTRY
         tr.store(o_ref.at[:, pl.ds(j + 1, 1)], words[:, None], mask=ok[:, None])
 
