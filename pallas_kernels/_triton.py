@@ -10,6 +10,8 @@ from __future__ import annotations
 import warnings
 
 import jax
+import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
@@ -20,6 +22,17 @@ store = pltriton.store
 def compiler_params(num_warps: int, num_stages: int) -> pltriton.CompilerParams:
     """Triton launch parameters for one `pallas_call`."""
     return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def program_id(axis: int, size: int) -> jax.Array:
+    """`pl.program_id(axis)` for a grid of `size` along that axis, as int32 in [0, size).
+
+    The remainder is an identity at run time, but it tells LLVM the id's range. The
+    Triton lowering adds it by itself only to grid axes past CUDA's 65535 limit, and
+    the T2D SDDMM compiled without it took 1.8x as long per row at M <= 32768 (96
+    registers instead of 126; results/NOTES.md, session 11).
+    """
+    return lax.rem(pl.program_id(axis), jnp.int32(size))
 
 
 def on_gpu() -> bool:

@@ -78,7 +78,7 @@ def _compact_kernel(
     program zeroes the row's slots past its total. Per column it also writes
     (BR + 1) * (entries) + (entries of rows with total <= W) to col_ref [blocks, N].
     """
-    t, i = pl.program_id(0), pl.program_id(1)
+    t, i = _triton.program_id(0, tiles), _triton.program_id(1, pl.cdiv(m, block_rows))
     rows = i * block_rows + _grid_iota(block_rows)
     row_ok = rows < m
     lane = _grid_iota(block_cols)
@@ -280,7 +280,7 @@ def _sddmm_up_kernel(
     *, h, width, chunk, block_h,
 ):  # fmt: skip
     """One program per token row: R and T at its ELL slots, and sum |T|."""
-    row = pl.program_id(0)
+    row = _triton.program_id(0, count_ref.shape[0])
     count = count_ref[row]
     x = _load_row(x_ref, row, h, block_h)
 
@@ -359,7 +359,8 @@ def sddmm_up(
 def _spmm_rows_kernel(count_ref, cols_ref, *refs, n_terms, chunk, block_h):
     """Program (row, H block): gathers weight row slices and accumulates in fp32."""
     val_refs, w_refs, out_ref = refs[:n_terms], refs[n_terms : 2 * n_terms], refs[-1]
-    row, hb = pl.program_id(0), pl.program_id(1)
+    row = _triton.program_id(0, count_ref.shape[0])
+    hb = _triton.program_id(1, out_ref.shape[1] // block_h)
     d = hb * block_h + _grid_iota(block_h)
     d_c = jnp.broadcast_to(d[None, :], (chunk, block_h))
 
@@ -445,7 +446,7 @@ def _sddmm_grad_kernel(
     *, h, width, chunk, block_h,
 ):  # fmt: skip
     """One program per token row: dT at its slots, then dR = dT P and dU = dT R."""
-    row = pl.program_id(0)
+    row = _triton.program_id(0, count_ref.shape[0])
     count = count_ref[row]
     scale = scale_ref[0]
     g = _load_row(g_ref, row, h, block_h)
@@ -536,7 +537,7 @@ def _fwd_rows_kernel(
 ):  # fmt: skip
     """GatedT2D with its intermediates kept: per chunk of slots, R = x . Wu[j] (stored),
     T = P R (stored), out += T Wd[j]; the row's x and out stay in registers."""
-    row = pl.program_id(0)
+    row = _triton.program_id(0, count_ref.shape[0])
     count = count_ref[row]
     x = _load_row(x_ref, row, h, block_h)
 
@@ -613,7 +614,7 @@ def _bwd_rows_kernel(
 ):  # fmt: skip
     """Per chunk of slots: dT = gO . Wd[j] + scale sign(T); dR = dT P, dU = dT R (stored);
     dx += dR Wu[j] + dU Wg[j] in one fp32 accumulator held in registers."""
-    row = pl.program_id(0)
+    row = _triton.program_id(0, count_ref.shape[0])
     count = count_ref[row]
     scale = scale_ref[0]
     g = _load_row(g_ref, row, h, block_h)
@@ -709,7 +710,8 @@ def _spmm_csc_kernel(
     The neuron axis varies fastest, so while one H block is swept only x[:, block] and
     gO[:, block] are gathered (2 M block_h bf16: 32 MB at M=16384, block_h=512).
     """
-    nid, hb = order_ref[pl.program_id(0)], pl.program_id(1)
+    nid = order_ref[_triton.program_id(0, order_ref.shape[0])]
+    hb = _triton.program_id(1, dwd_ref.shape[1] // block_h)
     start, end = off_ref[nid], off_ref[nid + 1]
     d = hb * block_h + _grid_iota(block_h)
     d_c = jnp.broadcast_to(d[None, :], (chunk, block_h))

@@ -269,7 +269,7 @@ def _fused_kernel(x_ref, packed_ref, *refs, gated, high_precision, slots, group,
     else:
         wg_ref, (wu_ref, wd_ref, out_ref) = None, refs
     keep, stream = _policies(hints)
-    row = pl.program_id(0)
+    row = tr.program_id(0, x_ref.shape[0])
     n_tiles = packed_ref.shape[1] // slots
     pieces = _pieces(x_ref.shape[1], block)
     x = [_load_x(x_ref, row, cols, stream) for cols in pieces]
@@ -314,7 +314,7 @@ def _sddmm_kernel(x_ref, packed_ref, wu_ref, words_ref, *h32_ref, high_precision
     precision also h32_ref [M, N/C] fp32 = h_j at the same slots.
     """
     keep, stream = _policies(hints)
-    row = pl.program_id(0)
+    row = tr.program_id(0, x_ref.shape[0])
     n_tiles = packed_ref.shape[1] // slots
     pieces = _pieces(x_ref.shape[1], block)
     x = [_load_x(x_ref, row, cols, stream) for cols in pieces]
@@ -348,7 +348,7 @@ def _spmm_kernel(x_ref, words_ref, *refs, gated, high_precision, slots, group, b
     refs = refs[1:] if h32_ref is not None else refs
     *w_dense, wd_ref, out_ref = refs
     keep, stream = _policies(hints)
-    row, hb = pl.program_id(0), pl.program_id(1)
+    row, hb = tr.program_id(0, x_ref.shape[0]), tr.program_id(1, x_ref.shape[1] // block)
     n_tiles = words_ref.shape[1] // slots
     d = hb * block + _iota(block)
     ent = _row_entries(words_ref, row, slots, n_tiles)
