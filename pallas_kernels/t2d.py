@@ -40,7 +40,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental import pallas as pl
 
 from pallas_kernels import _triton as tr
 from pallas_kernels import twell_format as fmt
