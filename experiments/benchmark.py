@@ -87,15 +87,15 @@ flags.DEFINE_multi_string(
 flags.DEFINE_multi_string(
     "tune_pack_cfg",
     [
-        "8,2,grouped,8",
-        "8,4,grouped,8",
-        "4,2,grouped,8",
-        "16,4,grouped,8",
-        "8,1,grouped,8",
-        "8,2,grouped,16",
-        "8,4,select,8",
+        "2,1,grouped,8,8",
+        "2,1,grouped,8,16",
+        "4,2,grouped,8,4",
+        "4,1,grouped,8,4",
+        "8,4,grouped,8,1",
+        "8,4,grouped,8,4",
+        "8,4,select,8,1",
     ],
-    "Pack kernel block_m,num_warps,method,group to try in --mode=tune.",
+    "Pack kernel block_m,num_warps,method,group,steps to try in --mode=tune.",
 )
 flags.DEFINE_list("train_nnz", ["10", "29", "50", "100"], "Densities of --mode=train.")
 flags.DEFINE_multi_string(
@@ -240,8 +240,8 @@ def tune(m: int, h: int, n: int, c: int, reps: int, warmup: int) -> dict:
         row["over_gemm"] = row["ms"] and row["ms"] / gemm_ms
     pack_cfgs = []
     for spec in FLAGS.tune_pack_cfg:
-        bm, warps, method, group = spec.split(",")
-        pack_cfgs.append(twell_pack.PackConfig(int(bm), int(warps), method, int(group)))
+        bm, warps, method, group, steps = spec.split(",")
+        pack_cfgs.append(twell_pack.PackConfig(int(bm), int(warps), method, int(group), int(steps)))
     pack_rows = timed(
         "pack",
         pack_cfgs,

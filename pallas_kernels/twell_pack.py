@@ -38,8 +38,9 @@ METHODS = ("grouped", "select", "cumsum", "matmul")
 class PackConfig:
     """Launch parameters of the pack kernel.
 
-    block_m rows x one 256-column tile per program; method is how entries reach their
-    words:
+    block_m rows x one 256-column tile per block, `steps` blocks one after the other
+    per program (each block's load is issued while the previous one is packed);
+    method is how entries reach their words:
     - "grouped" (default): the tile is read as [block_m, 256 / group, group]; each
       thread holds whole groups, so the per-group entry count and first key are
       in-thread reductions, and while no group has more than 2 entries the words go
@@ -50,15 +51,17 @@ class PackConfig:
       per entry of the fullest row;
     - a scatter of the whole tile at in-tile prefix counts taken by "cumsum" (a
       Triton scan) or "matmul" (against an upper-triangular ones matrix).
-    H200, M=131072, N=5632, ~29 entries per row: grouped 8 / 4 warps 0.68-0.72 ms
-    (8 / 2 and 4 / 1 within 4%), select 8 / 4 warps 0.89-1.03, cumsum 1.32, matmul
-    3.4x cumsum (results/NOTES.md).
+    H200, M=131072, N=5632, ~29 entries per row (results/NOTES.md, sessions 10-11):
+    grouped 2 rows / 1 warp / 8 steps 0.73 ms against 0.83-0.84 for one 8-row block
+    of 4 warps per program (same process); select 8 / 4 warps 0.89-1.03, cumsum
+    1.32, matmul 3.4x cumsum ("matmul" needs block_m >= 16).
     """
 
-    block_m: int = 8
-    num_warps: int = 4
+    block_m: int = 2
+    num_warps: int = 1
     method: str = "grouped"
     group: int = 8
+    steps: int = 8
 
 
 def _load_block(h_ref, row_ok, whole_blocks: bool):
@@ -77,13 +80,62 @@ def _key_words(key: jax.Array, h: jax.Array, tile) -> jax.Array:
     return fmt.encode_words(ts.key_value(key, h, None), tile * fmt.TILE + ts.key_lane(key))
 
 
-def _grouped_kernel(h_ref, o_ref, *, m, block_m, slots):
-    """h_ref [BM, 256 / S, S] (bf16) -> o_ref [BM, W] uint32: one TwELL tile of BM rows."""
-    tile = pl.program_id(0)
-    n_groups, size = h_ref.shape[1], h_ref.shape[2]
+def _for_each_block(h_ref, pack_block, *, m, block_m, steps):
+    """Calls pack_block(h, at, row_ok) on the program's `steps` row blocks in turn.
+
+    h: the [BM, ...] block of h_ref; at: its rows (a slice of the program's rows; the
+    kernels pass it to every store instead of storing through a view `o_ref.at[at]`,
+    which the interpreter mis-shapes); row_ok: bool [BM], rows below M. Each block's
+    load is issued before the previous block is packed, so its latency hides behind
+    the packing (with one block per program the kernel waits on it).
+    """
     rows = jnp.arange(block_m, dtype=jnp.int32)
-    row_ok = pl.program_id(1) * block_m + rows < m  # the last row block may overhang M
-    h = _load_block(h_ref, row_ok, m % block_m == 0)
+    first = pl.program_id(1) * (steps * block_m)
+    whole = m % (steps * block_m) == 0  # no block overhangs M: unmasked loads
+
+    def block(k):
+        return pl.ds(k * block_m, block_m), first + k * block_m + rows < m
+
+    def load(k):
+        at, row_ok = block(k)
+        return _load_block(h_ref.at[at], row_ok, whole)
+
+    if steps == 1:
+        pack_block(_load_block(h_ref, block(0)[1], whole), slice(None), block(0)[1])
+        return
+
+    def step(k, h):
+        following = load(jnp.minimum(k + 1, steps - 1))  # the last step reloads itself
+        pack_block(h, *block(k))
+        return following
+
+    lax.fori_loop(0, steps, step, load(0))
+
+
+def _rows_of(at, block_m: int) -> jax.Array:
+    """int32 [BM]: the row indices `at` (a slice) stands for."""
+    rows = jnp.arange(block_m, dtype=jnp.int32)
+    return rows if isinstance(at, slice) else rows + at.start
+
+
+def _store_counts(o_ref, at, count, row_ok):
+    tr.store(o_ref.at[at, pl.ds(0, 1)], count.astype(jnp.uint32)[:, None], mask=row_ok[:, None])
+
+
+def _grouped_kernel(h_ref, o_ref, *, m, block_m, slots, steps):
+    """h_ref [steps * BM, 256 / S, S] (bf16) -> o_ref [steps * BM, W] uint32: one tile."""
+    tile = pl.program_id(0)
+
+    def pack_block(h, at, row_ok):
+        _pack_grouped_block(h, o_ref, at, row_ok, tile, slots)
+
+    _for_each_block(h_ref, pack_block, m=m, block_m=block_m, steps=steps)
+
+
+def _pack_grouped_block(h, o_ref, at, row_ok, tile, slots):
+    """h [BM, 256 / S, S] bf16 -> o_ref[at] [BM, W] uint32: one TwELL tile of BM rows."""
+    block_m, n_groups, size = h.shape
+    rows = _rows_of(at, block_m)
     # Integer compare of the bits: one op, and a +NaN stays an entry (module docstring).
     positive = lax.bitcast_convert_type(h, jnp.int16) > 0
     lane = (
@@ -115,44 +167,47 @@ def _grouped_kernel(h_ref, o_ref, *, m, block_m, slots):
 
     @pl.when(most > 2)
     def _():
-        _select_into_words(o_ref, h, keys, count, tile, slots)
+        _select_into_words(o_ref, h, keys, count, tile, slots, at)
 
-    tr.store(o_ref.at[:, pl.ds(0, 1)], count.astype(jnp.uint32)[:, None], mask=row_ok[:, None])
+    _store_counts(o_ref, at, count, row_ok)
 
 
-def _pack_kernel(h_ref, o_ref, *, m, block_m, slots, method):
-    """h_ref [BM, 256] (bf16) -> o_ref [BM, W] uint32: one TwELL tile of BM rows."""
+def _pack_kernel(h_ref, o_ref, *, m, block_m, slots, method, steps):
+    """h_ref [steps * BM, 256] (bf16) -> o_ref [steps * BM, W] uint32: one tile."""
     tile = pl.program_id(0)
-    rows = jnp.arange(block_m, dtype=jnp.int32)
-    row_ok = pl.program_id(1) * block_m + rows < m  # the last row block may overhang M
-    h = _load_block(h_ref, row_ok, m % block_m == 0)
-    positive = h > 0
     lane = jnp.arange(fmt.TILE, dtype=jnp.int32)
-    count = jnp.sum(positive.astype(jnp.int32), axis=1)
-    if method == "select":
-        _select_into_words(o_ref, h, ts.entry_keys(h, positive, lane), count, tile, slots)
-    else:
-        _scatter_into_words(o_ref, h, positive, lane, tile, slots, method)
-    tr.store(o_ref.at[:, pl.ds(0, 1)], count.astype(jnp.uint32)[:, None], mask=row_ok[:, None])
+
+    def pack_block(h, at, row_ok):
+        positive = h > 0
+        count = jnp.sum(positive.astype(jnp.int32), axis=1)
+        if method == "select":
+            keys = ts.entry_keys(h, positive, lane)
+            _select_into_words(o_ref, h, keys, count, tile, slots, at)
+        else:
+            _scatter_into_words(o_ref, h, positive, lane, tile, slots, method, at)
+        _store_counts(o_ref, at, count, row_ok)
+
+    _for_each_block(h_ref, pack_block, m=m, block_m=block_m, steps=steps)
 
 
-def _select_into_words(o_ref, h, keys, count, tile, slots):
+def _select_into_words(o_ref, h, keys, count, tile, slots, at=slice(None)):
     """Entry j of every row goes to word j + 1, one round per entry (`tile_select`).
 
-    keys: the tile's `tile_select.entry_keys` of 16-bit values h ([BM, ...]).
+    keys: the tile's `tile_select.entry_keys` of 16-bit values h ([BM, ...]); at: the
+    rows of o_ref.
     """
 
     def store_round(j, key):
         words = _key_words(key, h, tile)
         ok = key != ts.NO_ENTRY
-        tr.store(o_ref.at[:, pl.ds(j + 1, 1)], words[:, None], mask=ok[:, None])
+        tr.store(o_ref.at[at, pl.ds(j + 1, 1)], words[:, None], mask=ok[:, None])
 
     ts.for_each_entry(keys, jnp.minimum(jnp.max(count), slots - 1), store_round)
 
 
-def _scatter_into_words(o_ref, h, positive, lane, tile, slots, prefix):
+def _scatter_into_words(o_ref, h, positive, lane, tile, slots, prefix, at):
     """Every positive element is scattered to word = its in-tile prefix count."""
-    rows = jnp.arange(h.shape[0], dtype=jnp.int32)
+    rows = _rows_of(at, h.shape[0])
     if prefix == "matmul":
         upper_ones = (lane[:, None] <= lane[None, :]).astype(jnp.bfloat16)
         inclusive = jnp.dot(
@@ -180,6 +235,10 @@ def pack_supported(m: int, n: int, compression: int, cfg: PackConfig) -> str | N
         return f"method={cfg.method!r} must be one of {METHODS}"
     if cfg.group < 1 or cfg.group & (cfg.group - 1) or cfg.group > fmt.TILE:
         return f"group={cfg.group} must be a power of two <= {fmt.TILE}"
+    if cfg.steps < 1:
+        return f"steps={cfg.steps} must be >= 1"
+    if cfg.method == "matmul" and cfg.block_m < 16:
+        return f"method='matmul' needs block_m >= 16 (a tensor-core dot), got {cfg.block_m}"
     return None
 
 
@@ -212,25 +271,26 @@ def pack_tiles(
     if reason:
         raise ValueError(f"pack_tiles: {reason}")
     slots = fmt.slots_per_tile(compression)
-    grid = (n // fmt.TILE, pl.cdiv(m, cfg.block_m))
+    rows = cfg.block_m * cfg.steps  # per program
+    grid = (n // fmt.TILE, pl.cdiv(m, rows))
     if cfg.method == "grouped":
-        kernel = functools.partial(_grouped_kernel, m=m, block_m=cfg.block_m, slots=slots)
+        kernel = functools.partial(
+            _grouped_kernel, m=m, block_m=cfg.block_m, slots=slots, steps=cfg.steps
+        )
         # A free (row-major) reshape: each (row, tile) block is [256 / S, S].
         h = h.reshape(m, n // cfg.group, cfg.group)
-        in_spec = pl.BlockSpec(
-            (cfg.block_m, fmt.TILE // cfg.group, cfg.group), lambda t, i: (i, t, 0)
-        )
+        in_spec = pl.BlockSpec((rows, fmt.TILE // cfg.group, cfg.group), lambda t, i: (i, t, 0))
     else:
         kernel = functools.partial(
-            _pack_kernel, m=m, block_m=cfg.block_m, slots=slots, method=cfg.method
+            _pack_kernel, m=m, block_m=cfg.block_m, slots=slots, method=cfg.method, steps=cfg.steps
         )
-        in_spec = pl.BlockSpec((cfg.block_m, fmt.TILE), lambda t, i: (i, t))
+        in_spec = pl.BlockSpec((rows, fmt.TILE), lambda t, i: (i, t))
     return tr.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((m, fmt.packed_width(n, compression)), jnp.uint32),
         grid=grid,
         in_specs=[in_spec],
-        out_specs=pl.BlockSpec((cfg.block_m, slots), lambda t, i: (i, t)),
+        out_specs=pl.BlockSpec((rows, slots), lambda t, i: (i, t)),
         compiler_params=tr.compiler_params(cfg.num_warps, num_stages=1),
         interpret=tr.resolve_interpret(interpret),
         name=f"twell_pack_c{compression}",

@@ -63,13 +63,25 @@ def test_pack_matches_oracle(interpret, compression, m):
 @pytest.mark.parametrize(
     "cfg",
     [
-        PackConfig(block_m=32, num_warps=8, group=4),
-        PackConfig(block_m=4, num_warps=2, group=16),
-        PackConfig(block_m=32, num_warps=8, method="select"),
-        PackConfig(block_m=32, num_warps=8, method="cumsum"),
-        PackConfig(block_m=16, method="matmul"),
+        PackConfig(block_m=32, num_warps=8, group=4, steps=1),
+        PackConfig(block_m=4, num_warps=2, group=16, steps=1),
+        PackConfig(block_m=4, num_warps=2, steps=4),  # 45 rows: the last program overhangs
+        PackConfig(block_m=8, num_warps=4, steps=2),
+        PackConfig(block_m=32, num_warps=8, method="select", steps=1),
+        PackConfig(block_m=4, num_warps=1, method="select", steps=4),
+        PackConfig(block_m=32, num_warps=8, method="cumsum", steps=1),
+        PackConfig(block_m=16, method="matmul", steps=2),
     ],
-    ids=["grouped_bm32_g4", "grouped_bm4_g16", "select_bm32", "cumsum_bm32", "matmul_bm16"],
+    ids=[
+        "grouped_bm32_g4",
+        "grouped_bm4_g16",
+        "grouped_bm4_x4",
+        "grouped_bm8_x2",
+        "select_bm32",
+        "select_bm4_x4",
+        "cumsum_bm32",
+        "matmul_bm16",
+    ],
 )
 def test_pack_configs(interpret, cfg):
     h = _adversarial(7, 45, 512)
@@ -100,9 +112,12 @@ def _grouped_tiers(m=24, n=512):
 
 @pytest.mark.parametrize("interpret", INTERPRET_AND_GPU)
 @pytest.mark.parametrize("compression", [8, 2])
-def test_pack_grouped_tiers(interpret, compression):
+@pytest.mark.parametrize("steps", [1, 4])
+def test_pack_grouped_tiers(interpret, compression, steps):
+    """Blocks on each path (one scatter, two scatters, select rounds), alone per program
+    or in turns of one program's loop."""
     h = _grouped_tiers()
-    cfg = PackConfig(block_m=8, num_warps=2, method="grouped", group=8)
+    cfg = PackConfig(block_m=8, num_warps=2, method="grouped", group=8, steps=steps)
     packed = pack_tiles(h, compression=compression, cfg=cfg, interpret=interpret)
     _assert_same_words(packed, fmt.pack(h, compression), h.shape[1], compression)
 
@@ -129,6 +144,12 @@ def test_gate_then_pack_equals_fused_d2t(interpret, m, bias):
         (jnp.zeros((4, 256), jnp.bfloat16), {"cfg": PackConfig(block_m=48)}, "power of two"),
         (jnp.zeros((4, 256), jnp.bfloat16), {"cfg": PackConfig(method="scan")}, "method"),
         (jnp.zeros((4, 256), jnp.bfloat16), {"cfg": PackConfig(group=6)}, "group=6"),
+        (jnp.zeros((4, 256), jnp.bfloat16), {"cfg": PackConfig(steps=0)}, "steps=0"),
+        (
+            jnp.zeros((4, 256), jnp.bfloat16),
+            {"cfg": PackConfig(method="matmul", block_m=8)},
+            "block_m >= 16",
+        ),
         (jnp.zeros((0, 256), jnp.bfloat16), {}, "at least one"),
     ],
 )
@@ -144,8 +165,20 @@ def test_pack_lowers_for_cuda(compression, method, m):
     """Production shape (N=5632) and the default block sizes; an odd M masks the load."""
     h = jnp.zeros((m, 5632), jnp.bfloat16)
     fn = functools.partial(
-        pack_tiles, compression=compression, cfg=PackConfig(method=method), interpret=False
+        pack_tiles,
+        compression=compression,
+        cfg=PackConfig(method=method, block_m=16 if method == "matmul" else 2),
+        interpret=False,
     )
+    assert count_triton_calls(fn, h) == 1
+
+
+@pytest.mark.parametrize("steps", [1, 4])
+@pytest.mark.parametrize("m", [16384, 16383], ids=["whole_blocks", "partial_block"])
+def test_pack_steps_lower_for_cuda(steps, m):
+    """Several row blocks per program: the prefetching loop lowers too."""
+    h = jnp.zeros((m, 5632), jnp.bfloat16)
+    fn = functools.partial(pack_tiles, cfg=PackConfig(steps=steps), interpret=False)
     assert count_triton_calls(fn, h) == 1
 
 
