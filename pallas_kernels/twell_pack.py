@@ -2,14 +2,16 @@
 
 `d2t` fuses the pack into the gate GEMM's epilogue, where Triton has to move the
 scatter's operands out of the tensor-core accumulator layout. This kernel packs a
-[M, N] activation that XLA's GEMM wrote instead: every program loads one [BM, 256]
-tile in a plain blocked layout and writes its positive entries into that tile's W
-words. By default ("grouped") each thread reduces whole 8-column groups in its own
-registers, and the rare entries go out in one or two small scatters at prefix counts
-over groups (0.68-0.72 ms at M=131072 and ~29 non-zeros per row on the H200, against
-0.89-1.03 ms for one entry per row per round (`tile_select`) and 1.24-1.32 ms for the
-whole-tile prefix count and scatter of `method="cumsum"`). Programs are independent
-(one per (row block, tile)), so nothing serialises across N.
+[M, N] activation that XLA's GEMM wrote instead: every program packs a few [BM, 256]
+blocks of one tile in turn, loading each in a plain blocked layout (the next block's
+load is issued before the current one is packed) and writing its positive entries
+into that tile's W words. By default ("grouped") each thread reduces whole 8-column
+groups in its own registers, and the rare entries go out in one or two small scatters
+at prefix counts over groups (0.73 ms at M=131072 and ~29 non-zeros per row on the
+H200, 0.83 ms with one block per program, against 0.89-1.03 ms for one entry per row
+per round (`tile_select`) and 1.24-1.32 ms for the whole-tile prefix count and scatter
+of `method="cumsum"`). Programs are independent (one per (row blocks, tile)), so
+nothing serialises across N.
 
 The extra traffic is one bf16 write and read of [M, N] (about 0.7 ms at M=131072,
 N=5632 on an H200); what it buys is an XLA (cuBLAS) GEMM instead of a Pallas one
