@@ -77,13 +77,21 @@ def model_table(res: dict) -> str:
     return head + "\n".join(rows)
 
 
+TABLES = {"kernel": kernel_tables, "train": train_table, "model": model_table}
+
+
 def main(paths: list[str]) -> None:
     for path in paths:
         with open(path) as f:
             res = json.load(f)
+        if res.get("mode") not in TABLES:
+            raise SystemExit(
+                f"{path}: not a --mode={'/'.join(TABLES)} benchmark output (mode="
+                f"{res.get('mode')!r}); the one-off A/B records (results/s*_*.json) hold "
+                "their numbers under 'results' and their script under 'script'"
+            )
         print(f"`{res['command']}` ({res['device']}, jax {res['jax']}, {res['time']})\n")
-        tables = {"kernel": kernel_tables, "train": train_table, "model": model_table}
-        print(tables[res["mode"]](res))
+        print(TABLES[res["mode"]](res))
         print()
 
 

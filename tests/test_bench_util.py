@@ -1,10 +1,12 @@
-"""The benchmarks' timers: rotation order, per-function stats and round ratios."""
+"""The benchmarks' timers (rotation order, per-function stats, round ratios) and the
+results-table printer's refusal of files that are not benchmark outputs."""
 
 import time
 
 import pytest
 
 from experiments import bench_util as bu
+from experiments import results_table
 
 
 def test_time_interleaved_rotates_and_reports_round_ratios():
@@ -62,3 +64,10 @@ def test_train_benchmark_runs_on_cpu_with_the_xla_kernels():
         assert max(rec["grad_rel_err"].values()) < 2e-2  # bf16, norm-relative
         assert rec["sparse_ms"] > 0 and rec["dense_ms"] > 0
         assert {"gate_gemm", "compact", "spmm_csc"} <= set(rec["breakdown_ms"])
+
+
+def test_results_table_names_a_file_that_is_not_a_benchmark_output(tmp_path):
+    record = tmp_path / "s11_ab.json"
+    record.write_text('{"command": "python scratch/ab.py", "results": {}}')
+    with pytest.raises(SystemExit, match=r"s11_ab\.json: not a --mode=kernel/train/model"):
+        results_table.main([str(record)])
