@@ -98,6 +98,20 @@ def _packed(x, w_sparse, compression):
     return fmt.pack(reference.hidden(x, w_sparse), compression)
 
 
+@pytest.mark.parametrize(
+    ("cfg", "message"),
+    [
+        (T2DConfig(sddmm=RowLaunch(group=3, num_warps=1, block_h=64)), "sddmm.group=3"),
+        (T2DConfig(spmm=RowLaunch(group=4, num_warps=3, block_h=64)), "spmm.num_warps=3"),
+    ],
+)
+def test_t2d_rejects_bad_launches(cfg, message):
+    w = jnp.zeros((256, 64), jnp.bfloat16)
+    packed = jnp.zeros((4, 32), jnp.uint32)
+    with pytest.raises(ValueError, match=message):
+        t2d(jnp.zeros((4, 64), jnp.bfloat16), packed, (w, w, w), cfg=cfg, interpret=True)
+
+
 # The two launch plans: SDDMM + SpMM (default) and the fused kernel. The small block_h
 # of the split plan's SpMM gives several H blocks per row at test widths.
 PLANS = {
