@@ -195,3 +195,20 @@ def test_gpu_production_shape_two_pass_equals_fused():
     fused = d2t(x, wg)
     differ = fmt.unpack(fused, 5632, 8) != fmt.unpack(two_pass, 5632, 8)
     assert float(jnp.mean(differ)) < 1e-4
+
+
+@pytest.mark.parametrize("interpret", INTERPRET_AND_GPU)
+def test_pack_nan_policy(interpret):
+    """The grouped pack keeps a +NaN as an entry (as the dense MLP's ReLU propagates
+    it); a -NaN, like any negative, is not one; the select method drops both."""
+    h = np.zeros((8, 256), np.float32)
+    h[0, 5], h[0, 7] = np.nan, 1.0
+    h[1, 3], h[1, 9] = -np.nan, 2.0
+    h = jnp.asarray(h, jnp.bfloat16)
+    grouped = pack_tiles(h, cfg=PackConfig(), interpret=interpret)
+    select = pack_tiles(h, cfg=PackConfig(block_m=8, method="select", steps=1), interpret=interpret)
+    assert np.asarray(fmt.tile_counts(grouped, 8))[:2, 0].tolist() == [2, 1]
+    assert np.asarray(fmt.tile_counts(select, 8))[:2, 0].tolist() == [1, 1]
+    dense = np.asarray(fmt.unpack(grouped, 256, 8), np.float32)
+    assert np.isnan(dense[0, 5]) and dense[0, 7] == 1.0 and dense[1, 9] == 2.0
+    assert np.count_nonzero(np.nan_to_num(dense, nan=1.0)) == 3
