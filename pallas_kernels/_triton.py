@@ -24,6 +24,11 @@ def compiler_params(num_warps: int, num_stages: int) -> pltriton.CompilerParams:
     return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
+def is_pow2(v: int) -> bool:
+    """Whether a launch size is a power of two (Triton block shapes must be)."""
+    return v >= 1 and not v & (v - 1)
+
+
 def program_id(axis: int, size: int) -> jax.Array:
     """`pl.program_id(axis)` for a grid of `size` along that axis, as int32 in [0, size).
 

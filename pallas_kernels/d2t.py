@@ -50,7 +50,7 @@ def d2t_supported(m: int, h: int, n: int, compression: int, cfg: D2TConfig) -> s
         return f"M={m} tokens: need at least one"
     if h % cfg.block_k:
         return f"d_model H={h} must be a multiple of block_k={cfg.block_k}"
-    if fmt.TILE % cfg.chunk or cfg.chunk & (cfg.chunk - 1):
+    if fmt.TILE % cfg.chunk or not tr.is_pow2(cfg.chunk):
         return f"chunk={cfg.chunk} must be a power of two dividing {fmt.TILE}"
     return None
 

@@ -10,8 +10,8 @@ on a GPU, xla elsewhere).
 
 The D2T stage comes in two forms, picked by the type of `d2t_config`:
 - `PackConfig` (the default): XLA's gate GEMM writes the bf16 activation, then the
-  `twell_pack` kernel packs it (one [BM, 256] tile per program). It moves 2 x M x N
-  bf16 through HBM, and is still ~1.4x faster on the H200 than
+  `twell_pack` kernel packs it (a few [BM, 256] blocks of one tile per program). It
+  moves 2 x M x N bf16 through HBM, and is still ~1.4x faster on the H200 than
 - `D2TConfig`: the fused kernel (gate GEMM with the pack in its epilogue; the dense
   activation never reaches HBM), whose scatter epilogue Triton lowers poorly
   (results/NOTES.md). Both produce the same words.

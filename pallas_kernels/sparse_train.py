@@ -48,16 +48,12 @@ _KEEP = "evict_last"
 _STREAM = "evict_first"
 
 
-def _is_pow2(v: int) -> bool:
-    return v > 0 and v & (v - 1) == 0
-
-
 def _grid_iota(n: int) -> jax.Array:
     return lax.broadcasted_iota(_I32, (n,), 0)
 
 
 def _check_blocks(name: str, h: int, block_h: int, chunk: int) -> None:
-    if h % block_h or not (_is_pow2(block_h) and _is_pow2(chunk)):
+    if h % block_h or not (_triton.is_pow2(block_h) and _triton.is_pow2(chunk)):
         raise ValueError(f"{name}: block_h={block_h} must be a power of two dividing H={h}")
 
 
@@ -168,7 +164,7 @@ def compact_rows(
     if impl == "xla":
         return compact_rows_ref(p, width)
     m, n = p.shape
-    if n % block_cols or not (_is_pow2(block_cols) and _is_pow2(block_rows) and _is_pow2(width)):
+    if n % block_cols or not all(map(_triton.is_pow2, (block_cols, block_rows, width))):
         raise ValueError(f"compact_rows: unsupported N={n}, blocks {block_rows}x{block_cols}")
     if method not in COMPACT_METHODS:
         raise ValueError(f"compact_rows: method={method!r} must be one of {COMPACT_METHODS}")

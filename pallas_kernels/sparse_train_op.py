@@ -54,7 +54,7 @@ ROW_KERNELS = ("sddmm_up", "spmm_down", "sddmm_grad", "spmm_dx", "gated_rows_fwd
 
 
 def _require_pow2(name: str, v: int) -> None:
-    if v <= 0 or v & (v - 1):
+    if not _triton.is_pow2(v):
         raise ValueError(f"{name} must be a power of two, got {v}")
 
 

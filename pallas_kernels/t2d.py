@@ -90,10 +90,6 @@ def h_chunk(h: int) -> int:
     return min(h & -h, MAX_CHUNK)
 
 
-def _is_pow2(v: int) -> bool:
-    return v >= 1 and not v & (v - 1)
-
-
 def t2d_supported(h: int, n: int, compression: int, cfg: T2DConfig) -> str | None:
     """Why (H, N, C) cannot run with cfg, or None when it can."""
     try:
@@ -105,7 +101,7 @@ def t2d_supported(h: int, n: int, compression: int, cfg: T2DConfig) -> str | Non
     for name in ("sddmm", "spmm", "fused"):
         launch = getattr(cfg, name)
         for field in ("group", "num_warps", "block_h"):
-            if not _is_pow2(getattr(launch, field)):
+            if not tr.is_pow2(getattr(launch, field)):
                 return f"{name}.{field}={getattr(launch, field)} must be a power of two"
     return None
 

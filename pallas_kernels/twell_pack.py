@@ -103,7 +103,8 @@ def _for_each_block(h_ref, pack_block, *, m, block_m, steps):
         return _load_block(h_ref.at[at], row_ok, whole)
 
     if steps == 1:
-        pack_block(_load_block(h_ref, block(0)[1], whole), slice(None), block(0)[1])
+        _, row_ok = block(0)
+        pack_block(_load_block(h_ref, row_ok, whole), slice(None), row_ok)
         return
 
     def step(k, h):
@@ -231,11 +232,11 @@ def pack_supported(m: int, n: int, compression: int, cfg: PackConfig) -> str | N
         return str(e)
     if m < 1:
         return f"M={m} tokens: need at least one"
-    if cfg.block_m < 1 or cfg.block_m & (cfg.block_m - 1):
+    if not tr.is_pow2(cfg.block_m):
         return f"block_m={cfg.block_m} must be a power of two"
     if cfg.method not in METHODS:
         return f"method={cfg.method!r} must be one of {METHODS}"
-    if cfg.group < 1 or cfg.group & (cfg.group - 1) or cfg.group > fmt.TILE:
+    if not tr.is_pow2(cfg.group) or cfg.group > fmt.TILE:
         return f"group={cfg.group} must be a power of two <= {fmt.TILE}"
     if cfg.steps < 1:
         return f"steps={cfg.steps} must be >= 1"
