@@ -87,15 +87,15 @@ flags.DEFINE_multi_string(
 flags.DEFINE_multi_string(
     "tune_pack_cfg",
     [
-        "2,1,grouped,8,8",
-        "2,1,grouped,8,16",
-        "4,2,grouped,8,4",
-        "4,1,grouped,8,4",
-        "8,4,grouped,8,1",
-        "8,4,grouped,8,4",
+        "1,1,grouped,8,16,3",
+        "1,1,grouped,8,16,7",
+        "2,1,grouped,8,8,1",
+        "2,1,grouped,8,12,2",
+        "2,1,grouped,16,8,1",
+        "8,4,grouped,8,4,1",
         "8,4,select,8,1",
     ],
-    "Pack kernel block_m,num_warps,method,group,steps to try in --mode=tune.",
+    "Pack kernel block_m,num_warps,method[,group[,steps[,ahead]]] to try in --mode=tune.",
 )
 flags.DEFINE_list("train_nnz", ["10", "29", "50", "100"], "Densities of --mode=train.")
 flags.DEFINE_multi_string(
@@ -104,16 +104,25 @@ flags.DEFINE_multi_string(
 flags.DEFINE_integer("train_tokens", 16384, "M of --mode=train (per-GPU micro-batch).")
 flags.DEFINE_integer("reps", 30, "Timed calls per measurement (median reported).")
 flags.DEFINE_integer("warmup", 5, "Untimed calls first.")
+flags.DEFINE_integer(
+    "inner",
+    3,
+    "Back-to-back calls per timed sample in --mode=kernel/tune (steady state, as in a"
+    " model's forward: the host's dispatch and sync gap between calls is not counted).",
+)
 
 
 def _gemm_tflops(m: int, h: int, n: int, n_gemms: int, ms: float) -> float:
     return 2.0 * m * h * n * n_gemms / (ms * 1e-3) / 1e12
 
 
-def kernel_case(m: int, nnz: float, h: int, n: int, c: int, reps: int, warmup: int) -> dict:
+def kernel_case(
+    m: int, nnz: float, h: int, n: int, c: int, reps: int, warmup: int, inner: int
+) -> dict:
     """One (M, density) point: every kernel and both MLPs, sparse and dense."""
     x, wg, wu, wd = bu.synthetic_mlp(m, h, n, nnz)
-    timed = lambda f, *a: bu.time_fn(f, *a, warmup=warmup, reps=reps)["median_ms"]
+    timed = lambda f, *a: bu.time_fn(f, *a, warmup=warmup, reps=reps, inner=inner)["median_ms"]
+    single = lambda f, *a: bu.time_fn(f, *a, warmup=warmup, reps=reps)["median_ms"]
 
     dense_gated = jax.jit(reference.gated_mlp)
     dense_mlp = jax.jit(reference.mlp)
@@ -156,6 +165,12 @@ def kernel_case(m: int, nnz: float, h: int, n: int, c: int, reps: int, warmup: i
     r["gated_t2d_fused_ms"] = timed(gated_t2d_fused, x, packed_g, wg, wu, wd)
     r["twell_gated_ms"] = timed(twell_gated, x, wg, wu, wd)
     r["speedup_gated"] = r["dense_gated_ms"] / r["twell_gated_ms"]
+    # One call per sync, as up to session 11: adds the host's gap to both.
+    r["dense_gated_single_call_ms"] = single(dense_gated, x, wg, wu, wd)
+    r["twell_gated_single_call_ms"] = single(twell_gated, x, wg, wu, wd)
+    r["speedup_gated_single_call"] = (
+        r["dense_gated_single_call_ms"] / r["twell_gated_single_call_ms"]
+    )
     r["d2t_over_gemm"] = r["d2t_ms"] / r["gate_gemm_ms"]
     r["d2t_two_pass_over_gemm"] = r["d2t_two_pass_ms"] / r["gate_gemm_ms"]
     r["dense_gated_tflops"] = _gemm_tflops(m, h, n, 3, r["dense_gated_ms"])
@@ -174,15 +189,18 @@ def kernel_case(m: int, nnz: float, h: int, n: int, c: int, reps: int, warmup: i
     return r
 
 
-def sweep_case(m: int, nnz: float, h: int, n: int, c: int, reps: int, warmup: int) -> dict:
+def sweep_case(
+    m: int, nnz: float, h: int, n: int, c: int, reps: int, warmup: int, inner: int
+) -> dict:
     """Whole gated MLP only, for the density crossover."""
     x, wg, wu, wd = bu.synthetic_mlp(m, h, n, nnz)
     twell_gated = jax.jit(
         lambda *a: ops.twell_gated_mlp(*a, compression=c, impl="pallas", return_stats=True)
     )
     _, stats = twell_gated(x, wg, wu, wd)
-    dense = bu.time_fn(jax.jit(reference.gated_mlp), x, wg, wu, wd, warmup=warmup, reps=reps)
-    sparse = bu.time_fn(twell_gated, x, wg, wu, wd, warmup=warmup, reps=reps)
+    timing = {"warmup": warmup, "reps": reps, "inner": inner}
+    dense = bu.time_fn(jax.jit(reference.gated_mlp), x, wg, wu, wd, **timing)
+    sparse = bu.time_fn(twell_gated, x, wg, wu, wd, **timing)
     return {
         "M": m,
         "C": c,
@@ -210,12 +228,13 @@ def _t2d_plan(spec: str) -> t2d_mod.T2DConfig:
     raise ValueError(f"--tune_t2d_cfg {spec!r}: want split:<g,w,bh>:<g,w,bh> or fused:<g,w,bh>")
 
 
-def _time_configs(kind: str, cfgs, make_fn, args, warmup: int, reps: int) -> list[dict]:
+def _time_configs(kind: str, cfgs, make_fn, args, warmup: int, reps: int, inner: int) -> list[dict]:
     """Median ms of `make_fn(cfg)(*args)` for each config; a failed compile is a result."""
     rows = []
     for cfg in cfgs:
         try:
-            t = bu.time_fn(jax.jit(make_fn(cfg)), *args, warmup=warmup, reps=reps)["median_ms"]
+            fn = jax.jit(make_fn(cfg))
+            t = bu.time_fn(fn, *args, warmup=warmup, reps=reps, inner=inner)["median_ms"]
         except Exception as e:
             t = None
             logging.warning("%s %s failed: %s", kind, cfg, str(e)[:300])
@@ -224,12 +243,12 @@ def _time_configs(kind: str, cfgs, make_fn, args, warmup: int, reps: int) -> lis
     return rows
 
 
-def tune(m: int, h: int, n: int, c: int, reps: int, warmup: int) -> dict:
+def tune(m: int, h: int, n: int, c: int, reps: int, warmup: int, inner: int) -> dict:
     """D2T block sizes (fused and pack kernel) and GatedT2D launches at ~29 nnz per row."""
     x, wg, wu, wd = bu.synthetic_mlp(m, h, n, 29)
     gate = jax.jit(reference.hidden)
-    gemm_ms = bu.time_fn(gate, x, wg, warmup=warmup, reps=reps)["median_ms"]
-    timed = functools.partial(_time_configs, warmup=warmup, reps=reps)
+    gemm_ms = bu.time_fn(gate, x, wg, warmup=warmup, reps=reps, inner=inner)["median_ms"]
+    timed = functools.partial(_time_configs, warmup=warmup, reps=reps, inner=inner)
     d2t_rows = timed(
         "d2t",
         [d2t_mod.D2TConfig(*_ints(spec)) for spec in FLAGS.tune_d2t_cfg],
@@ -240,8 +259,8 @@ def tune(m: int, h: int, n: int, c: int, reps: int, warmup: int) -> dict:
         row["over_gemm"] = row["ms"] and row["ms"] / gemm_ms
     pack_cfgs = []
     for spec in FLAGS.tune_pack_cfg:
-        bm, warps, method, group, steps = spec.split(",")
-        pack_cfgs.append(twell_pack.PackConfig(int(bm), int(warps), method, int(group), int(steps)))
+        bm, warps, method, *ints = spec.split(",")
+        pack_cfgs.append(twell_pack.PackConfig(int(bm), int(warps), method, *map(int, ints)))
     pack_rows = timed(
         "pack",
         pack_cfgs,
@@ -268,7 +287,7 @@ def main(argv):
     del argv
     tokens = [int(t) for t in FLAGS.tokens]
     h, n, c = FLAGS.d_model, FLAGS.d_ff, FLAGS.compression
-    args = (h, n, c, FLAGS.reps, FLAGS.warmup)
+    args = (h, n, c, FLAGS.reps, FLAGS.warmup, FLAGS.inner)
     result = {
         "mode": FLAGS.mode,
         "command": " ".join(["python -m experiments.benchmark", *sys.argv[1:]]),

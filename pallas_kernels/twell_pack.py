@@ -3,19 +3,21 @@
 `d2t` fuses the pack into the gate GEMM's epilogue, where Triton has to move the
 scatter's operands out of the tensor-core accumulator layout. This kernel packs a
 [M, N] activation that XLA's GEMM wrote instead: every program packs a few [BM, 256]
-blocks of one tile in turn, loading each in a plain blocked layout (the next block's
-load is issued before the current one is packed) and writing its positive entries
-into that tile's W words. By default ("grouped") each thread reduces whole 8-column
-groups in its own registers, and the rare entries go out in one or two small scatters
-at prefix counts over groups (0.73 ms at M=131072 and ~29 non-zeros per row on the
-H200, 0.83 ms with one block per program, against 0.89-1.03 ms for one entry per row
-per round (`tile_select`) and 1.24-1.32 ms for the whole-tile prefix count and scatter
-of `method="cumsum"`). Programs are independent (one per (row blocks, tile)), so
-nothing serialises across N.
+blocks of one tile in turn, loading each in a plain blocked layout (a few blocks ahead
+of the one being packed) and writing its positive entries into that tile's W words.
+By default ("grouped") each thread holds whole 8-column groups as bf16 pairs in uint32
+registers, finds a group's entries as the set bits of one integer (two elements per
+instruction), and the rare entries go out in one small scatter per entry rank
+(0.46 ms at M=131072 and ~29 non-zeros per row on the H200 back to back, against
+0.50 ms for the same layout with per-element keys, 0.89-1.03 ms (single calls) for one
+entry per row per round (`tile_select`) and 1.24-1.32 ms for the whole-tile prefix
+count and scatter of `method="cumsum"`). Programs are independent (one per (row
+blocks, tile)), so nothing serialises across N.
 
-The extra traffic is one bf16 write and read of [M, N] (about 0.7 ms at M=131072,
-N=5632 on an H200); what it buys is an XLA (cuBLAS) GEMM instead of a Pallas one
-with a heavy epilogue. `experiments/benchmark.py --mode=kernel` times both paths.
+The extra traffic is one bf16 write and read of [M, N] (its HBM floor is about
+0.35 ms at M=131072, N=5632 on an H200); what it buys is an XLA (cuBLAS) GEMM
+instead of a Pallas one with a heavy epilogue. `experiments/benchmark.py
+--mode=kernel` times both paths.
 """
 
 from __future__ import annotations
@@ -41,29 +43,32 @@ class PackConfig:
     """Launch parameters of the pack kernel.
 
     block_m rows x one 256-column tile per block, `steps` blocks one after the other
-    per program (each block's load is issued while the previous one is packed);
+    per program, with the loads of the next `ahead` blocks in flight while one is
+    packed (steps must be a multiple of ahead + 1: the loop is unrolled that much);
     method is how entries reach their words:
-    - "grouped" (default): the tile is read as [block_m, 256 / group, group]; each
-      thread holds whole groups, so the per-group entry count and first key are
-      in-thread reductions, and while no group has more than 2 entries the words go
-      out as one or two [block_m, 256 / group] scatters at prefix counts over groups.
-      Busier blocks fall back to "select" rounds. A +NaN counts as an entry (it
-      propagates, as through the dense MLP's ReLU); the other methods drop it.
+    - "grouped" (default): the tile is read as [block_m, 256 / group, group / 2] bf16
+      pairs (uint32; group in 2..16); each thread holds whole groups, a group's
+      entries are the set bits of one int32, and round r scatters every group's r-th
+      entry at its prefix count over groups (one round per entry of the busiest
+      group: one or two at ~0.5% density). A +NaN counts as an entry (it propagates,
+      as through the dense MLP's ReLU); the other methods drop it.
     - "select" (`tile_select`): one row-wise min-reduction and one [block_m] store
       per entry of the fullest row;
     - a scatter of the whole tile at in-tile prefix counts taken by "cumsum" (a
       Triton scan) or "matmul" (against an upper-triangular ones matrix).
-    H200, M=131072, N=5632, ~29 entries per row (results/NOTES.md, sessions 10-11):
-    grouped 2 rows / 1 warp / 8 steps 0.73 ms against 0.83-0.84 for one 8-row block
-    of 4 warps per program (same process); select 8 / 4 warps 0.89-1.03, cumsum
-    1.32, matmul 3.4x cumsum ("matmul" needs block_m >= 16).
+    H200, M=131072, N=5632, ~29 entries per row (results/NOTES.md, sessions 10-12):
+    grouped 1 row / 1 warp / 16 steps / 3 ahead 0.46 ms back to back (0.66 single
+    calls), 2 / 1 / 8 / 1 0.48 (0.69), the session-11 per-element keys 0.50 (0.70);
+    select 8 / 4 warps 0.89-1.03 (single), cumsum 1.32, matmul 3.4x cumsum ("matmul"
+    needs block_m >= 16).
     """
 
-    block_m: int = 2
+    block_m: int = 1
     num_warps: int = 1
     method: str = "grouped"
     group: int = 8
-    steps: int = 8
+    steps: int = 16
+    ahead: int = 3
 
 
 def _load_block(h_ref, row_ok, whole_blocks: bool):
@@ -82,14 +87,15 @@ def _key_words(key: jax.Array, h: jax.Array, tile) -> jax.Array:
     return fmt.encode_words(ts.key_value(key, h, None), tile * fmt.TILE + ts.key_lane(key))
 
 
-def _for_each_block(h_ref, pack_block, *, m, block_m, steps):
+def _for_each_block(h_ref, pack_block, *, m, block_m, steps, ahead):
     """Calls pack_block(h, at, row_ok) on the program's `steps` row blocks in turn.
 
     h: the [BM, ...] block of h_ref; at: its rows (a slice of the program's rows; the
     kernels pass it to every store instead of storing through a view `o_ref.at[at]`,
-    which the interpreter mis-shapes); row_ok: bool [BM], rows below M. Each block's
-    load is issued before the previous block is packed, so its latency hides behind
-    the packing (with one block per program the kernel waits on it).
+    which the interpreter mis-shapes); row_ok: bool [BM], rows below M. The loads run
+    `ahead` blocks in front of the packing, so their latency hides behind it (with one
+    block per program the kernel waits on it). Loads past the last block reload it
+    (an L1 hit) rather than test a bound per element.
     """
     rows = jnp.arange(block_m, dtype=jnp.int32)
     first = pl.program_id(1) * (steps * block_m)
@@ -99,7 +105,7 @@ def _for_each_block(h_ref, pack_block, *, m, block_m, steps):
         return pl.ds(k * block_m, block_m), first + k * block_m + rows < m
 
     def load(k):
-        at, row_ok = block(k)
+        at, row_ok = block(jnp.minimum(k, steps - 1))
         return _load_block(h_ref.at[at], row_ok, whole)
 
     if steps == 1:
@@ -107,12 +113,21 @@ def _for_each_block(h_ref, pack_block, *, m, block_m, steps):
         pack_block(_load_block(h_ref, row_ok, whole), slice(None), row_ok)
         return
 
-    def step(k, h):
-        following = load(jnp.minimum(k + 1, steps - 1))  # the last step reloads itself
-        pack_block(h, *block(k))
-        return following
+    # ahead + 1 blocks live in fixed loop-carried buffers (the loop is unrolled that
+    # many times): a block's buffer is refilled right after it is packed. Rotating the
+    # buffers instead would copy registers at the end of every step, and a copy waits
+    # for the load it copies: that made deeper prefetching no faster.
+    buffers = ahead + 1
 
-    lax.fori_loop(0, steps, step, load(0))
+    def turn(i, loaded):
+        loaded = list(loaded)
+        for j in range(buffers):
+            k = i * buffers + j
+            pack_block(loaded[j], *block(k))
+            loaded[j] = load(k + buffers)
+        return tuple(loaded)
+
+    lax.fori_loop(0, steps // buffers, turn, tuple(load(k) for k in range(buffers)))
 
 
 def _rows_of(at, block_m: int) -> jax.Array:
@@ -125,57 +140,75 @@ def _store_counts(o_ref, at, count, row_ok):
     tr.store(o_ref.at[at, pl.ds(0, 1)], count.astype(jnp.uint32)[:, None], mask=row_ok[:, None])
 
 
-def _grouped_kernel(h_ref, o_ref, *, m, block_m, slots, steps):
-    """h_ref [steps * BM, 256 / S, S] (bf16) -> o_ref [steps * BM, W] uint32: one tile."""
+def _grouped_kernel(w_ref, o_ref, *, m, block_m, slots, steps, ahead):
+    """w_ref [steps * BM, 256 / S, S / 2] uint32 (bf16 pairs) -> o_ref [steps * BM, W]."""
     tile = pl.program_id(0)
 
-    def pack_block(h, at, row_ok):
-        _pack_grouped_block(h, o_ref, at, row_ok, tile, slots)
+    def pack_block(words, at, row_ok):
+        _pack_grouped_block(words, o_ref, at, row_ok, tile, slots)
 
-    _for_each_block(h_ref, pack_block, m=m, block_m=block_m, steps=steps)
+    _for_each_block(w_ref, pack_block, m=m, block_m=block_m, steps=steps, ahead=ahead)
 
 
-def _pack_grouped_block(h, o_ref, at, row_ok, tile, slots):
-    """h [BM, 256 / S, S] bf16 -> o_ref[at] [BM, W] uint32: one TwELL tile of BM rows."""
-    block_m, n_groups, size = h.shape
+def _positive_bits(words: jax.Array) -> jax.Array:
+    """uint32 [BM, G, S / 2] bf16 pairs -> int32 [BM, G]: bit k = element k of the group > 0.
+
+    Two elements per instruction (SIMD within a register): a half is positive when its
+    sign bit is clear and its 15 other bits are not all zero, which `(bits & 0x7FFF) +
+    0x7FFF` carries into bit 15 of the half without touching the other half. So a +NaN
+    is an entry and a -0 or -NaN is not, as an int16 compare would say.
+    """
+    sign, rest = jnp.uint32(0x80008000), jnp.uint32(0x7FFF7FFF)
+    positive = ((words & rest) + rest) & ~words & sign  # bits 15 (element 2i) and 31 (2i + 1)
+    pairs = words.shape[-1]
+    # Word i's bits 15 / 31 go to 2i / 16 + 2i; the bits are disjoint, so a sum is an OR.
+    shift = 15 - 2 * jnp.arange(pairs, dtype=jnp.uint32)
+    folded = jnp.sum(positive >> shift, axis=-1)
+    return ((folded | (folded >> 15)) & ((1 << 2 * pairs) - 1)).astype(jnp.int32)
+
+
+def _lowest_bit(bits: jax.Array) -> jax.Array:
+    """int32: index of the lowest set bit (garbage where bits == 0)."""
+    return 31 - lax.clz(bits & -bits)
+
+
+def _pack_grouped_block(words, o_ref, at, row_ok, tile, slots):
+    """words [BM, 256 / S, S / 2] uint32 -> o_ref[at] [BM, W] uint32: one TwELL tile.
+
+    Each thread holds whole groups: a group's entries are the set bits of one int32
+    (`_positive_bits`), so the count is a popcount and entry r of every group is its
+    r-th lowest bit. Round r scatters entry r of all groups of the block at once (word
+    = entries in earlier groups + r + 1); a block needs as many rounds as its busiest
+    group has entries (one or two at ~0.5% density).
+    """
+    block_m, n_groups, pairs = words.shape
     rows = _rows_of(at, block_m)
-    # Integer compare of the bits: one op, and a +NaN stays an entry (module docstring).
-    positive = lax.bitcast_convert_type(h, jnp.int16) > 0
-    lane = (
-        jnp.arange(n_groups, dtype=jnp.int32)[:, None] * size
-        + jnp.arange(size, dtype=jnp.int32)[None, :]
-    )
-    keys = ts.entry_keys(h, positive, lane)
-    per_group = jnp.sum(positive.astype(jnp.int32), axis=2)  # [BM, 256 / S]
+    bits = _positive_bits(words)
+    per_group = lax.population_count(bits)  # [BM, G]
     count = jnp.sum(per_group, axis=1)
     before = jnp.cumsum(per_group, axis=1) - per_group  # entries in earlier groups
     most = jnp.max(jnp.max(per_group, axis=1))  # one axis at a time: a 2-D max fails to lower
+    column = tile * fmt.TILE + jnp.arange(n_groups, dtype=jnp.int32)[None, :] * (2 * pairs)
+    pair = jnp.arange(pairs, dtype=jnp.int32)
 
-    def store_rank(key, rank):
-        """Stores each group's entry number `rank` (key [BM, 256 / S]) at its word."""
-        word = before + rank + 1  # word 0 is the count
-        keep = (per_group > rank) & (word < slots)
-        word = jnp.where(keep, word, fmt.OUT_OF_TILE_SLOT)
-        tr.store(o_ref.at[rows[:, None], word], _key_words(key, h, tile), mask=keep)
+    def store_rank(r, left):
+        """Stores each group's entry r (its lowest bit left) and drops that bit."""
+        element = _lowest_bit(left)
+        # The pair holding the element, picked by an in-thread reduction over the group.
+        word = jnp.sum(jnp.where(pair == (element >> 1)[..., None], words, 0), axis=-1)
+        value = jnp.where((element & 1) == 1, word & jnp.uint32(0xFFFF0000), word << 16)
+        slot = before + r + 1  # word 0 is the count
+        keep = (left != 0) & (slot < slots)
+        slot = jnp.where(keep, slot, fmt.OUT_OF_TILE_SLOT)
+        entry = value | (column + element).astype(jnp.uint32)
+        tr.store(o_ref.at[rows[:, None], slot], entry, mask=keep)
+        return left & (left - 1)
 
-    first = jnp.min(keys, axis=2)
-
-    @pl.when(most <= 2)
-    def _():
-        store_rank(first, 0)
-
-        @pl.when(most == 2)
-        def _():
-            store_rank(ts.next_keys(keys, first), 1)
-
-    @pl.when(most > 2)
-    def _():
-        _select_into_words(o_ref, h, keys, count, tile, slots, at)
-
+    lax.fori_loop(0, most, store_rank, bits)
     _store_counts(o_ref, at, count, row_ok)
 
 
-def _pack_kernel(h_ref, o_ref, *, m, block_m, slots, method, steps):
+def _pack_kernel(h_ref, o_ref, *, m, block_m, slots, method, steps, ahead):
     """h_ref [steps * BM, 256] (bf16) -> o_ref [steps * BM, W] uint32: one tile."""
     tile = pl.program_id(0)
     lane = jnp.arange(fmt.TILE, dtype=jnp.int32)
@@ -190,7 +223,7 @@ def _pack_kernel(h_ref, o_ref, *, m, block_m, slots, method, steps):
             _scatter_into_words(o_ref, h, positive, lane, tile, slots, method, at)
         _store_counts(o_ref, at, count, row_ok)
 
-    _for_each_block(h_ref, pack_block, m=m, block_m=block_m, steps=steps)
+    _for_each_block(h_ref, pack_block, m=m, block_m=block_m, steps=steps, ahead=ahead)
 
 
 def _select_into_words(o_ref, h, keys, count, tile, slots, at=slice(None)):
@@ -236,10 +269,12 @@ def pack_supported(m: int, n: int, compression: int, cfg: PackConfig) -> str | N
         return f"block_m={cfg.block_m} must be a power of two"
     if cfg.method not in METHODS:
         return f"method={cfg.method!r} must be one of {METHODS}"
-    if not tr.is_pow2(cfg.group) or cfg.group > fmt.TILE:
-        return f"group={cfg.group} must be a power of two <= {fmt.TILE}"
+    if not tr.is_pow2(cfg.group) or not 2 <= cfg.group <= 16:
+        return f"group={cfg.group} must be a power of two in [2, 16]"
     if cfg.steps < 1:
         return f"steps={cfg.steps} must be >= 1"
+    if cfg.steps > 1 and (cfg.ahead < 1 or cfg.steps % (cfg.ahead + 1)):
+        return f"steps={cfg.steps} must be a multiple of ahead + 1 (ahead={cfg.ahead} >= 1)"
     if cfg.method == "matmul" and cfg.block_m < 16:
         return f"method='matmul' needs block_m >= 16 (a tensor-core dot), got {cfg.block_m}"
     return None
@@ -278,14 +313,23 @@ def pack_tiles(
     grid = (n // fmt.TILE, pl.cdiv(m, rows))
     if cfg.method == "grouped":
         kernel = functools.partial(
-            _grouped_kernel, m=m, block_m=cfg.block_m, slots=slots, steps=cfg.steps
+            _grouped_kernel, m=m, block_m=cfg.block_m, slots=slots, steps=cfg.steps, ahead=cfg.ahead
         )
-        # A free (row-major) reshape: each (row, tile) block is [256 / S, S].
-        h = h.reshape(m, n // cfg.group, cfg.group)
-        in_spec = pl.BlockSpec((rows, fmt.TILE // cfg.group, cfg.group), lambda t, i: (i, t, 0))
+        # Free (row-major) views: bf16 pairs as uint32, each (row, tile) block [256 / S, S / 2].
+        pairs = lax.bitcast_convert_type(h.reshape(m, n // 2, 2), jnp.uint32)
+        h = pairs.reshape(m, n // cfg.group, cfg.group // 2)
+        in_spec = pl.BlockSpec(
+            (rows, fmt.TILE // cfg.group, cfg.group // 2), lambda t, i: (i, t, 0)
+        )
     else:
         kernel = functools.partial(
-            _pack_kernel, m=m, block_m=cfg.block_m, slots=slots, method=cfg.method, steps=cfg.steps
+            _pack_kernel,
+            m=m,
+            block_m=cfg.block_m,
+            slots=slots,
+            method=cfg.method,
+            steps=cfg.steps,
+            ahead=cfg.ahead,
         )
         in_spec = pl.BlockSpec((rows, fmt.TILE), lambda t, i: (i, t))
     return tr.pallas_call(

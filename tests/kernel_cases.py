@@ -13,7 +13,7 @@ INTERPRET_AND_GPU = [
     pytest.param(False, id="gpu", marks=pytest.mark.gpu),
 ]
 SMALL_D2T = D2TConfig(block_m=64, block_k=64, chunk=128, num_warps=4, num_stages=2)
-SMALL_PACK = PackConfig(block_m=16, num_warps=4)
+SMALL_PACK = PackConfig(block_m=4, num_warps=2, steps=4, ahead=3)
 # Both forms of the ops' D2T stage: the fused kernel and XLA GEMM + pack kernel.
 D2T_FORMS = [pytest.param(SMALL_D2T, id="fused"), pytest.param(SMALL_PACK, id="two_pass")]
 BF16_FACTOR = 1.5

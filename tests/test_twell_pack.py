@@ -14,7 +14,13 @@ import pytest
 from pallas_kernels import reference
 from pallas_kernels import twell_format as fmt
 from pallas_kernels.d2t import d2t
-from pallas_kernels.twell_pack import METHODS, PackConfig, gate_then_pack, pack_tiles
+from pallas_kernels.twell_pack import (
+    METHODS,
+    PackConfig,
+    _positive_bits,
+    gate_then_pack,
+    pack_tiles,
+)
 from tests.kernel_cases import INTERPRET_AND_GPU, SMALL_D2T, SMALL_PACK, integer_mlp
 from tests.lowering import count_triton_calls
 
@@ -66,17 +72,19 @@ def test_pack_matches_oracle(interpret, compression, m):
         PackConfig(block_m=32, num_warps=8, group=4, steps=1),
         PackConfig(block_m=4, num_warps=2, group=16, steps=1),
         PackConfig(block_m=4, num_warps=2, steps=4),  # 45 rows: the last program overhangs
-        PackConfig(block_m=8, num_warps=4, steps=2),
+        PackConfig(block_m=8, num_warps=4, steps=2, ahead=1),
+        PackConfig(block_m=1, num_warps=1, steps=8, ahead=3),  # 45 = 5 x 8 + 5 rows
         PackConfig(block_m=32, num_warps=8, method="select", steps=1),
         PackConfig(block_m=4, num_warps=1, method="select", steps=4),
         PackConfig(block_m=32, num_warps=8, method="cumsum", steps=1),
-        PackConfig(block_m=16, method="matmul", steps=2),
+        PackConfig(block_m=16, method="matmul", steps=2, ahead=1),
     ],
     ids=[
         "grouped_bm32_g4",
         "grouped_bm4_g16",
         "grouped_bm4_x4",
         "grouped_bm8_x2",
+        "grouped_bm1_x8_ahead3",
         "select_bm32",
         "select_bm4_x4",
         "cumsum_bm32",
@@ -151,6 +159,12 @@ def test_gate_then_pack_equals_fused_d2t(interpret, m, bias):
             "block_m >= 16",
         ),
         (jnp.zeros((0, 256), jnp.bfloat16), {}, "at least one"),
+        (jnp.zeros((4, 256), jnp.bfloat16), {"cfg": PackConfig(group=32)}, "group=32"),
+        (
+            jnp.zeros((4, 256), jnp.bfloat16),
+            {"cfg": PackConfig(steps=8, ahead=2)},
+            "multiple of ahead",
+        ),
     ],
 )
 def test_pack_rejects_bad_inputs(h, kwargs, message):
@@ -173,12 +187,13 @@ def test_pack_lowers_for_cuda(compression, method, m):
     assert count_triton_calls(fn, h) == 1
 
 
-@pytest.mark.parametrize("steps", [1, 4])
+@pytest.mark.parametrize(("steps", "ahead"), [(1, 1), (4, 1), (16, 3)])
 @pytest.mark.parametrize("m", [16384, 16383], ids=["whole_blocks", "partial_block"])
-def test_pack_steps_lower_for_cuda(steps, m):
+def test_pack_steps_lower_for_cuda(steps, ahead, m):
     """Several row blocks per program: the prefetching loop lowers too."""
     h = jnp.zeros((m, 5632), jnp.bfloat16)
-    fn = functools.partial(pack_tiles, cfg=PackConfig(steps=steps), interpret=False)
+    cfg = PackConfig(steps=steps, ahead=ahead)
+    fn = functools.partial(pack_tiles, cfg=cfg, interpret=False)
     assert count_triton_calls(fn, h) == 1
 
 
@@ -195,6 +210,21 @@ def test_gpu_production_shape_two_pass_equals_fused():
     fused = d2t(x, wg)
     differ = fmt.unpack(fused, 5632, 8) != fmt.unpack(two_pass, 5632, 8)
     assert float(jnp.mean(differ)) < 1e-4
+
+
+@pytest.mark.parametrize("roll", [0, 1, 12345])
+def test_positive_bits_match_int16_compare_on_every_bf16(roll):
+    """The two-per-instruction test of the grouped pack against `int16(bits) > 0` on
+    all 65536 bf16 bit patterns (zeros of both signs, NaNs, infinities, subnormals),
+    each paired with another pattern in the same uint32."""
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    pairs = np.stack([bits, np.roll(bits, roll)], axis=-1)  # [65536, 2]: element 2i, 2i + 1
+    groups = pairs.reshape(-1, 4, 8)  # [R, G, S]: 8-element groups of 4 pairs
+    words = jnp.asarray(groups.reshape(-1, 4, 4, 2).view(np.uint32)[..., 0])
+    got = np.asarray(_positive_bits(words))
+    weights = 1 << np.arange(8)
+    want = np.sum((groups.view(np.int16) > 0) * weights, axis=-1)
+    np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("interpret", INTERPRET_AND_GPU)
