@@ -28,7 +28,9 @@ the caller counts those tiles.
 A row's entries are first flattened across tiles (counts -> prefix sums), then
 gathered `group` at a time: vectorising over a tile's W slots instead wastes most of
 the work at about 1.3 entries per tile (spec §6.2), while a scalar entry loop keeps
-too few gathers in flight.
+too few gathers in flight. The split kernels load the next group's entry words while
+the current group's weight rows are gathered, so a step waits on one L2 round trip,
+not two (1-3% at M=131072, results/s12_t2d_prefetch.json).
 """
 
 from __future__ import annotations
@@ -320,16 +322,21 @@ def _sddmm_kernel(x_ref, packed_ref, wu_ref, words_ref, *h32_ref, high_precision
         mask=ent.real(n_tiles),
     )
 
-    def entry_group(step, carry):
+    def words_of(step):
         pos, ok = ent.positions(step, group)
-        j, g = _decode(tr.load(packed_ref.at[row, pos], mask=ok, other=0))
+        return pos, ok, tr.load(packed_ref.at[row, pos], mask=ok, other=0)
+
+    def entry_group(step, loaded):
+        following = words_of(step + 1)  # in flight while this step's rows are gathered
+        pos, ok, word = loaded
+        j, g = _decode(word)
         hv = _hidden(g, _dots(x.__getitem__, pieces, wu_ref, j, ok, keep), high_precision)
         tr.store(words_ref.at[row, pos], fmt.encode_words(hv, j), mask=ok)
         if h32_ref:
             tr.store(h32_ref[0].at[row, pos], hv, mask=ok)
-        return carry
+        return following
 
-    lax.fori_loop(0, ent.n_steps(group), entry_group, 0)
+    lax.fori_loop(0, ent.n_steps(group), entry_group, words_of(0))
 
 
 def _spmm_kernel(x_ref, words_ref, *refs, gated, high_precision, slots, group, block, hints):
@@ -351,14 +358,22 @@ def _spmm_kernel(x_ref, words_ref, *refs, gated, high_precision, slots, group, b
     def add_rows(acc, hv, j, ok):
         return acc + jnp.sum(hv[:, None] * _gather(wd_ref, j, ok, d, keep), axis=0)
 
-    def entry_group(step, acc):
+    def words_of(step):
         pos, ok = ent.positions(step, group)
-        j, hv = _decode(tr.load(words_ref.at[row, pos], mask=ok, other=0))
-        if h32_ref is not None:
-            hv = tr.load(h32_ref.at[row, pos], mask=ok, other=0)
-        return add_rows(acc, hv, j, ok)
+        word = tr.load(words_ref.at[row, pos], mask=ok, other=0)
+        h32 = None if h32_ref is None else tr.load(h32_ref.at[row, pos], mask=ok, other=0)
+        return ok, word, h32
 
-    acc = lax.fori_loop(0, ent.n_steps(group), entry_group, jnp.zeros((block,), _F32))
+    def entry_group(step, carry):
+        acc, loaded = carry
+        following = words_of(step + 1)  # in flight while this step's rows are gathered
+        ok, word, h32 = loaded
+        j, hv = _decode(word)
+        hv = hv if h32 is None else h32
+        return add_rows(acc, hv, j, ok), following
+
+    zero = jnp.zeros((block,), _F32)
+    acc, _ = lax.fori_loop(0, ent.n_steps(group), entry_group, (zero, words_of(0)))
     # Overflowed tiles (rare): x is re-read piece by piece rather than held, so this
     # path does not raise the common path's register count.
     pieces = _pieces(x_ref.shape[1], block)
