@@ -41,13 +41,13 @@ def time_fn(fn, *args, warmup: int = 5, reps: int = 50, inner: int = 1) -> dict:
     return _summary(times)
 
 
-def time_interleaved(fns: dict, *args, warmup: int = 3, reps: int = 15) -> dict:
+def time_interleaved(fns: dict, *args, warmup: int = 3, reps: int = 15, inner: int = 1) -> dict:
     """Wall times of several functions of the same `args`, called in rotation.
 
-    One round calls every function once, synchronised; `reps` rounds follow `warmup`
-    rounds. Rotating makes clock and thermal drift hit every function alike, which
-    matters when one call takes most of a second and two runs differ by a few
-    percent.
+    One round calls every function `inner` times back to back, synchronised after each
+    function (its time is divided by inner); `reps` rounds follow `warmup` rounds.
+    Rotating makes clock and thermal drift hit every function alike, which matters
+    when one call takes most of a second and two runs differ by a few percent.
 
     Args:
       fns: name -> callable.
@@ -65,8 +65,10 @@ def time_interleaved(fns: dict, *args, warmup: int = 3, reps: int = 15) -> dict:
     for _ in range(reps):
         for name in names:
             start = time.perf_counter()
-            jax.block_until_ready(fns[name](*args))
-            times[name].append((time.perf_counter() - start) * 1e3)
+            for _ in range(inner):
+                out = fns[name](*args)
+            jax.block_until_ready(out)
+            times[name].append((time.perf_counter() - start) * 1e3 / inner)
     out = {name: {**_summary(ts), "times_ms": ts} for name, ts in times.items()}
     out["ratios"] = {
         f"{a}/{b}": statistics.median(ta / tb for ta, tb in zip(times[a], times[b], strict=True))

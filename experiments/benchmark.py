@@ -165,6 +165,16 @@ def kernel_case(
     r["gated_t2d_fused_ms"] = timed(gated_t2d_fused, x, packed_g, wg, wu, wd)
     r["twell_gated_ms"] = timed(twell_gated, x, wg, wu, wd)
     r["speedup_gated"] = r["dense_gated_ms"] / r["twell_gated_ms"]
+    # The two acceptance ratios again, each pair alternating in one loop (drift hits both
+    # alike): the median over rounds of the per-round ratio.
+    pair = bu.time_interleaved(
+        {"dense": dense_gated, "twell": twell_gated}, x, wg, wu, wd, reps=reps, inner=inner
+    )
+    r["speedup_gated_interleaved"] = pair["ratios"]["dense/twell"]
+    pair = bu.time_interleaved(
+        {"d2t": d2t_two_pass, "gemm": gate_gemm}, x, wg, reps=reps, inner=inner
+    )
+    r["d2t_two_pass_over_gemm_interleaved"] = pair["ratios"]["d2t/gemm"]
     # One call per sync, as up to session 11: adds the host's gap to both.
     r["dense_gated_single_call_ms"] = single(dense_gated, x, wg, wu, wd)
     r["twell_gated_single_call_ms"] = single(twell_gated, x, wg, wu, wd)

@@ -9,6 +9,11 @@ import json
 import sys
 
 
+def _also(case: dict, key: str, label: str) -> str:
+    """ "; <label> 1.234x" when the case has that ratio (files from session 12 on)."""
+    return f"; {label} {case[key]:.3f}x" if key in case else ""
+
+
 def kernel_tables(res: dict) -> str:
     head = (
         "| M | nnz/row | dense XLA gated | gate GEMM | D2T two-pass (pack) | D2T fused "
@@ -20,9 +25,12 @@ def kernel_tables(res: dict) -> str:
         f"| {c['M']} | {c['nnz_per_row']:.1f} | {c['dense_gated_ms']:.2f} ms "
         f"({c['dense_gated_tflops']:.0f} TF/s) | {c['gate_gemm_ms']:.2f} | "
         f"{c['d2t_two_pass_ms']:.2f} ({c['pack_ms']:.2f}; "
-        f"{c['d2t_two_pass_over_gemm']:.2f}x GEMM) | {c['d2t_ms']:.2f} "
+        f"{c['d2t_two_pass_over_gemm']:.3f}x GEMM"
+        f"{_also(c, 'd2t_two_pass_over_gemm_interleaved', 'interleaved')}) | {c['d2t_ms']:.2f} "
         f"({c['d2t_over_gemm']:.2f}x) | {c['gated_t2d_ms']:.2f} | "
-        f"{c['twell_gated_ms']:.2f} | **{c['speedup_gated']:.2f}x** | "
+        f"{c['twell_gated_ms']:.2f} | **{c['speedup_gated']:.3f}x**"
+        f"{_also(c, 'speedup_gated_interleaved', 'interleaved')}"
+        f"{_also(c, 'speedup_gated_single_call', 'single calls')} | "
         f"{c['gated_max_rel_err']:.1e} | {c['dense_mlp_ms']:.2f} | {c['t2d_ms']:.2f} | "
         f"{c['twell_mlp_ms']:.2f} | {c['speedup_nongated']:.2f}x |"
         for c in res["cases"]

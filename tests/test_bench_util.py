@@ -29,6 +29,23 @@ def test_time_interleaved_rotates_and_reports_round_ratios():
     assert out["ratios"]["slow/fast"] == pytest.approx(4.0, rel=0.5)
 
 
+def test_time_interleaved_inner_calls_back_to_back():
+    calls = []
+
+    def fn(name):
+        def call(x):
+            calls.append(name)
+            time.sleep(0.002)
+            return x
+
+        return call
+
+    out = bu.time_interleaved({"a": fn("a"), "b": fn("b")}, 1, warmup=1, reps=2, inner=3)
+    assert calls == ["a", "b"] + (["a"] * 3 + ["b"] * 3) * 2  # warm-up calls each once
+    assert out["a"]["reps"] == 2
+    assert 2.0 <= out["a"]["median_ms"] < 6.0  # per call, not per batch of 3
+
+
 def test_time_fn_reports_per_call_time_of_inner_batches():
     calls = []
 
