@@ -8,7 +8,8 @@ width T. Each (row, tile) owns W = T / C uint32 words of the packed matrix
   exceed W - 1; that is an overflow, and readers must not trust the payload then);
 - words 1 .. W - 1 hold the first W - 1 positive entries in column order, each as
   `(bf16_bits(value) << 16) | global_column` (so N <= 65536);
-- words after the count are undefined (the kernels never zero them).
+- words after the count are undefined (the pack kernel zeroes those in a tile's first
+  32-byte sector, to write whole sectors; nothing else zeroes them).
 
 Column order makes the format deterministic, unlike the CUDA reference's atomics.
 """

@@ -8,10 +8,11 @@ of the one being packed) and writing its positive entries into that tile's W wor
 By default ("grouped") each thread holds whole 8-column groups as bf16 pairs in uint32
 registers, finds a group's entries as the set bits of one integer (two elements per
 instruction), and the rare entries go out in one small scatter per entry rank
-(0.46 ms at M=131072 and ~29 non-zeros per row on the H200 back to back, against
-0.50 ms for the same layout with per-element keys, 0.89-1.03 ms (single calls) for one
-entry per row per round (`tile_select`) and 1.24-1.32 ms for the whole-tile prefix
-count and scatter of `method="cumsum"`). Programs are independent (one per (row
+(0.41 ms at M=131072 and ~29 non-zeros per row on the H200 back to back, against
+0.35 ms for XLA to read the same array and 0.50 ms for the same layout with
+per-element keys; with single calls, 0.89-1.03 ms for one entry per row per round
+(`tile_select`) and 1.24-1.32 ms for the whole-tile prefix count and scatter of
+`method="cumsum"`). Programs are independent (one per (row
 blocks, tile)), so nothing serialises across N.
 
 The extra traffic is one bf16 write and read of [M, N] (its HBM floor is about
@@ -58,7 +59,8 @@ class PackConfig:
       Triton scan) or "matmul" (against an upper-triangular ones matrix).
     H200, M=131072, N=5632, ~29 entries per row (results/NOTES.md, sessions 10-12):
     grouped 1 row / 1 warp / 16 steps / 3 ahead 0.46 ms back to back (0.66 single
-    calls), 2 / 1 / 8 / 1 0.48 (0.69), the session-11 per-element keys 0.50 (0.70);
+    calls; 0.41 with whole-sector stores), 2 / 1 / 8 / 1 0.48 (0.69), the session-11
+    per-element keys 0.50 (0.70);
     select 8 / 4 warps 0.89-1.03 (single), cumsum 1.32, matmul 3.4x cumsum ("matmul"
     needs block_m >= 16).
     """
@@ -136,8 +138,23 @@ def _rows_of(at, block_m: int) -> jax.Array:
     return rows if isinstance(at, slice) else rows + at.start
 
 
+SECTOR_WORDS = 8  # uint32 words in one 32-byte DRAM sector
+
+
 def _store_counts(o_ref, at, count, row_ok):
-    tr.store(o_ref.at[at, pl.ds(0, 1)], count.astype(jnp.uint32)[:, None], mask=row_ok[:, None])
+    """Word 0 = the true count, and 0 in the words of the tile's first 32-byte sector
+    past the entries (the entries fill words 1..count), so the stores cover the sector.
+
+    With the count word alone the pack took 0.413 ms against 0.345 with no stores at
+    all, and 0.409 with this fill against 0.460 without (M=131072; results/
+    s12_pack_floor.json, s12_pack_sector.json), presumably because L2 has to read a
+    partly written sector from DRAM to merge it before writing it back.
+    """
+    word = jnp.arange(SECTOR_WORDS, dtype=jnp.int32)[None, :]
+    count = count[:, None]
+    value = jnp.where(word == 0, count, 0).astype(jnp.uint32)
+    keep = row_ok[:, None] & ((word == 0) | (word > count))
+    tr.store(o_ref.at[at, pl.ds(0, SECTOR_WORDS)], value, mask=keep)
 
 
 def _grouped_kernel(w_ref, o_ref, *, m, block_m, slots, steps, ahead):
