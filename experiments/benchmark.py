@@ -28,13 +28,12 @@ import jax.numpy as jnp
 from absl import app, flags, logging
 
 from experiments import bench_util as bu
-from experiments import benchmark_model, benchmark_train
+from experiments import benchmark_train
 from pallas_kernels import d2t as d2t_mod
 from pallas_kernels import ops, reference, twell_pack
 from pallas_kernels import t2d as t2d_mod
 from pallas_kernels import twell_format as fmt
 from pallas_kernels.sparse_train_op import SparseTrainConfig
-from twell_jax import data
 from twell_jax.config import with_overrides
 
 FLAGS = flags.FLAGS
@@ -53,7 +52,9 @@ flags.DEFINE_list(
     "--model_data_dir's validation tokens at the run's sequence length.",
 )
 flags.DEFINE_string(
-    "model_data_dir", data.DataConfig.data_dir, "Prepared corpus of the --model_workdirs runs."
+    "model_data_dir",
+    None,
+    "Prepared corpus of the --model_workdirs runs (default: DataConfig's data_dir).",
 )
 flags.DEFINE_string("out", "", "JSON output path (default: print only).")
 flags.DEFINE_list("tokens", ["16384", "131072"], "Token counts M.")
@@ -328,6 +329,11 @@ def main(argv):
             ),
         )
     elif FLAGS.mode == "model":
+        # Imported here: the model benchmark pulls in the data pipeline (grain), which
+        # the kernel and training modes do not need.
+        from experiments import benchmark_model
+        from twell_jax import data
+
         result["cases"] = benchmark_model.run(
             presets=tuple(FLAGS.model_presets),
             nnz=FLAGS.model_nnz,
@@ -339,7 +345,7 @@ def main(argv):
         if FLAGS.model_workdirs:
             result["trained"] = benchmark_model.run_trained(
                 FLAGS.model_workdirs,
-                FLAGS.model_data_dir,
+                FLAGS.model_data_dir or data.DataConfig.data_dir,
                 batch=FLAGS.model_batch,
                 reps=FLAGS.reps,
             )

@@ -1,6 +1,9 @@
 """The benchmarks' timers (rotation order, per-function stats, round ratios) and the
 results-table printer's refusal of files that are not benchmark outputs."""
 
+import pathlib
+import subprocess
+import sys
 import time
 
 import pytest
@@ -88,3 +91,10 @@ def test_results_table_names_a_file_that_is_not_a_benchmark_output(tmp_path):
     record.write_text('{"command": "python scratch/ab.py", "results": {}}')
     with pytest.raises(SystemExit, match=r"s11_ab\.json: not a --mode=kernel/train/model"):
         results_table.main([str(record)])
+
+
+def test_kernel_and_train_benchmarks_import_without_grain():
+    """BUILD.md: --mode=kernel/train need only jax and numpy (no data pipeline)."""
+    code = "import sys; sys.modules['grain'] = None; import experiments.benchmark"
+    root = pathlib.Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root, timeout=300)
