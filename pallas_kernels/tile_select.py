@@ -28,10 +28,9 @@ def entry_keys(values: jax.Array, positive: jax.Array, lane: jax.Array) -> jax.A
     """int32 keys (values' shape) that sort a tile's positive entries by column.
 
     Args:
-        values: [R, T] the tile (any float dtype), or [R, T / S, S] (S consecutive
-            columns per group).
+        values: [R, T] the tile (any float dtype).
         positive: bool, values' shape: the entries.
-        lane: int32 [T], column within the tile (< 2**15); [T / S, S] for groups.
+        lane: int32 [T], column within the tile (< 2**15).
 
     Returns:
         (lane << 16) | value bits for 16-bit values (lane alone otherwise); NO_ENTRY
@@ -63,14 +62,9 @@ def key_value(key: jax.Array, values: jax.Array, lane: jax.Array) -> jax.Array:
 
 
 def next_keys(keys: jax.Array, prev: jax.Array) -> jax.Array:
-    """The smallest key above prev over keys' trailing axes.
-
-    keys [R, ...] (any rank); prev [R] (per row) or any leading part of keys' shape
-    (e.g. [R, G] per group of [R, G, S] keys) -> prev's shape.
-    """
-    expand = (slice(None),) * prev.ndim + (None,) * (keys.ndim - prev.ndim)
-    above = jnp.where(keys > prev[expand], keys, NO_ENTRY)
-    while above.ndim > prev.ndim:  # one axis at a time: innermost first (in-thread)
+    """Per row, the smallest key above prev: keys [R, ...] (any rank), prev [R] -> [R]."""
+    above = jnp.where(keys > prev[(slice(None),) + (None,) * (keys.ndim - 1)], keys, NO_ENTRY)
+    while above.ndim > 1:  # one axis at a time: innermost first (in-thread when blocked)
         above = jnp.min(above, axis=-1)
     return above
 

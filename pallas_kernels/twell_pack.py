@@ -84,11 +84,6 @@ def _load_block(h_ref, row_ok, whole_blocks: bool):
     return tr.load(h_ref, mask=row_ok[(slice(None),) + (None,) * (len(h_ref.shape) - 1)], other=0)
 
 
-def _key_words(key: jax.Array, h: jax.Array, tile) -> jax.Array:
-    """TwELL words of `tile_select` keys of the 16-bit tile h (any shape of keys)."""
-    return fmt.encode_words(ts.key_value(key, h, None), tile * fmt.TILE + ts.key_lane(key))
-
-
 def _for_each_block(h_ref, pack_block, *, m, block_m, steps, ahead):
     """Calls pack_block(h, at, row_ok) on the program's `steps` row blocks in turn.
 
@@ -243,15 +238,15 @@ def _pack_kernel(h_ref, o_ref, *, m, block_m, slots, method, steps, ahead):
     _for_each_block(h_ref, pack_block, m=m, block_m=block_m, steps=steps, ahead=ahead)
 
 
-def _select_into_words(o_ref, h, keys, count, tile, slots, at=slice(None)):
+def _select_into_words(o_ref, h, keys, count, tile, slots, at):
     """Entry j of every row goes to word j + 1, one round per entry (`tile_select`).
 
-    keys: the tile's `tile_select.entry_keys` of 16-bit values h ([BM, ...]); at: the
+    keys: the tile's `tile_select.entry_keys` of the bf16 block h [BM, 256]; at: the
     rows of o_ref.
     """
 
     def store_round(j, key):
-        words = _key_words(key, h, tile)
+        words = fmt.encode_words(ts.key_value(key, h, None), tile * fmt.TILE + ts.key_lane(key))
         ok = key != ts.NO_ENTRY
         tr.store(o_ref.at[at, pl.ds(j + 1, 1)], words[:, None], mask=ok[:, None])
 

@@ -98,11 +98,11 @@ def test_pack_configs(interpret, cfg):
 
 
 def _grouped_tiers(m=24, n=512):
-    """Row blocks of 8 for each path of the grouped method (groups of 8 columns).
+    """Row blocks of 8 needing 1, 2 and 3 rounds of the grouped method (groups of 8).
 
-    Rows 0-7: at most one entry per group (the scatter of first entries); row 1 has
-    one in each of a tile's 32 groups, past the 31 slots of C=8. Rows 8-15: one group
-    with two entries (a second scatter). Rows 16-23: a group with three (select rounds).
+    Rows 0-7: at most one entry per group (one round); row 1 has one in each of a
+    tile's 32 groups, past the 31 slots of C=8. Rows 8-15: one group with two entries
+    (two rounds). Rows 16-23: a group with three (three rounds).
     """
     rng = np.random.default_rng(11)
     h = np.zeros((m, n), np.float32)
@@ -122,8 +122,8 @@ def _grouped_tiers(m=24, n=512):
 @pytest.mark.parametrize("compression", [8, 2])
 @pytest.mark.parametrize("steps", [1, 4])
 def test_pack_grouped_tiers(interpret, compression, steps):
-    """Blocks on each path (one scatter, two scatters, select rounds), alone per program
-    or in turns of one program's loop."""
+    """Blocks needing one, two and three rounds, alone per program or in turns of one
+    program's loop."""
     h = _grouped_tiers()
     cfg = PackConfig(block_m=8, num_warps=2, method="grouped", group=8, steps=steps)
     packed = pack_tiles(h, compression=compression, cfg=cfg, interpret=interpret)
