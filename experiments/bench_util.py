@@ -48,6 +48,11 @@ def time_interleaved(fns: dict, *args, warmup: int = 3, reps: int = 15, inner: i
     function (its time is divided by inner); `reps` rounds follow `warmup` rounds.
     Rotating makes clock and thermal drift hit every function alike, which matters
     when one call takes most of a second and two runs differ by a few percent.
+    Every other round runs in reverse order (a b | b a | a b ...), so each function
+    follows each other one equally often: on a power-limited GPU a kernel that runs
+    right after dense GEMMs starts throttled, and with a fixed order the function
+    listed second paid that every round (2-3% on the H200, results/NOTES.md
+    session 13).
 
     Args:
       fns: name -> callable.
@@ -62,8 +67,8 @@ def time_interleaved(fns: dict, *args, warmup: int = 3, reps: int = 15, inner: i
         for name in names:
             jax.block_until_ready(fns[name](*args))
     times = {name: [] for name in names}
-    for _ in range(reps):
-        for name in names:
+    for rep in range(reps):
+        for name in names if rep % 2 == 0 else names[::-1]:
             start = time.perf_counter()
             for _ in range(inner):
                 out = fns[name](*args)

@@ -131,7 +131,11 @@ def kernel_case(
     d2t = jax.jit(lambda x, w: d2t_mod.d2t(x, w, compression=c))
     d2t_two_pass = jax.jit(lambda x, w: twell_pack.gate_then_pack(x, w, compression=c))
     pack = jax.jit(lambda g: twell_pack.pack_tiles(g, compression=c))
-    gated_t2d = jax.jit(lambda x, p, a, b, d: t2d_mod.t2d(x, p, (a, b, d), compression=c))
+    # Alone, the gate is a jit input: writing h over it in place would time a copy of it.
+    alone = t2d_mod.T2DConfig(in_place=False)
+    gated_t2d = jax.jit(
+        lambda x, p, a, b, d: t2d_mod.t2d(x, p, (a, b, d), compression=c, cfg=alone)
+    )
     fused_plan = t2d_mod.T2DConfig(split=False)
     gated_t2d_fused = jax.jit(
         lambda x, p, a, b, d: t2d_mod.t2d(x, p, (a, b, d), compression=c, cfg=fused_plan)
@@ -235,7 +239,8 @@ def _t2d_plan(spec: str) -> t2d_mod.T2DConfig:
     if plan == "fused" and len(launches) == 1:
         return t2d_mod.T2DConfig(split=False, fused=launches[0])
     if plan == "split" and len(launches) == 2:
-        return t2d_mod.T2DConfig(sddmm=launches[0], spmm=launches[1])
+        # the gate is a jit input here: in place would time a copy of it
+        return t2d_mod.T2DConfig(sddmm=launches[0], spmm=launches[1], in_place=False)
     raise ValueError(f"--tune_t2d_cfg {spec!r}: want split:<g,w,bh>:<g,w,bh> or fused:<g,w,bh>")
 
 

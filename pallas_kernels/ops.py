@@ -97,10 +97,15 @@ def _check_inputs(x: jax.Array, weights: tuple[jax.Array, ...], opts: TwellOptio
 
 
 def _sparse_forward(x, weights, opts: TwellOptions):
-    """Pallas path: out [M, H] and tile counts [M, N / 256] int32."""
+    """Pallas path: out [M, H] and the tile counts, int32 [N / 256, M] (two-pass D2T,
+    from the pack kernel) or [M, N / 256] (fused D2T, read out of the words)."""
     interpret = opts.impl == "interpret" or (opts.impl == "auto" and not tr.on_gpu())
-    d2t_fn = gate_then_pack if isinstance(opts.d2t, PackConfig) else d2t
-    packed = d2t_fn(x, weights[0], compression=opts.compression, cfg=opts.d2t, interpret=interpret)
+    args = dict(compression=opts.compression, cfg=opts.d2t, interpret=interpret)
+    if isinstance(opts.d2t, PackConfig):
+        packed, counts = gate_then_pack(x, weights[0], with_counts=True, **args)
+    else:
+        packed = d2t(x, weights[0], **args)
+        counts = fmt.tile_counts(packed, opts.compression)
     out = t2d(
         x,
         packed,
@@ -110,7 +115,7 @@ def _sparse_forward(x, weights, opts: TwellOptions):
         cfg=opts.t2d,
         interpret=interpret,
     )
-    return out, fmt.tile_counts(packed, opts.compression)
+    return out, counts
 
 
 def _dense_forward(x, weights, opts: TwellOptions):
@@ -152,8 +157,9 @@ def _twell_apply_bwd(opts, residuals, cotangents):
 _twell_apply.defvjp(_twell_apply_fwd, _twell_apply_bwd)
 
 
-def _stats(counts: jax.Array, slots: int) -> TwellStats:
-    m = max(counts.shape[0], 1)
+def _stats(counts: jax.Array, m: int, slots: int) -> TwellStats:
+    """TwellStats of the tile counts of M rows (any layout: only sums and maxima)."""
+    m = max(m, 1)
     return TwellStats(
         nnz_per_row=jnp.sum(counts, dtype=jnp.float32) / m,
         max_tile_count=jnp.max(counts, initial=0),
@@ -173,7 +179,7 @@ def _run(x, weights, opts: TwellOptions, return_stats: bool):
         out = out.reshape(*lead, h)
     if not return_stats:
         return out
-    return out, _stats(counts, fmt.slots_per_tile(opts.compression))
+    return out, _stats(counts, x2d.shape[0], fmt.slots_per_tile(opts.compression))
 
 
 def twell_gated_mlp(

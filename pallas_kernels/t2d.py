@@ -85,6 +85,11 @@ class T2DConfig:
     # Weight rows are re-read by every token, activations once: ask L2 to keep the
     # weights (evict_last) and to drop the streamed rows first.
     cache_hints: bool = True
+    # The SDDMM writes h over the gate's words in the gate's own buffer (an XLA
+    # input/output alias): the counts are already there, and each h word lands in a
+    # sector the kernel has just read, so no partly written sectors go to HBM. XLA
+    # copies the gate first if the caller still holds it.
+    in_place: bool = True
 
 
 def h_chunk(h: int) -> int:
@@ -303,12 +308,14 @@ def _fused_kernel(x_ref, packed_ref, *refs, gated, high_precision, slots, group,
 
 
 def _sddmm_kernel(x_ref, packed_ref, wu_ref, words_ref, *h32_ref, high_precision, slots, group,
-                  block, hints):  # fmt: skip
+                  block, hints, in_place):  # fmt: skip
     """One token row: h_j = g_j * (x . Wu[j]) at every listed entry of the gate.
 
     Writes words_ref [M, N/C] uint32: the gate's count words (true counts, also past
     capacity) and, at each listed entry's slot, (bf16(h_j) << 16) | j; in high
-    precision also h32_ref [M, N/C] fp32 = h_j at the same slots.
+    precision also h32_ref [M, N/C] fp32 = h_j at the same slots. In place, words_ref
+    is packed_ref's buffer: the counts are already there and each entry's word is read
+    before its h word replaces it.
     """
     keep, stream = _policies(hints)
     row = tr.program_id(0, x_ref.shape[0])
@@ -316,11 +323,12 @@ def _sddmm_kernel(x_ref, packed_ref, wu_ref, words_ref, *h32_ref, high_precision
     pieces = _pieces(x_ref.shape[1], block)
     x = [_load_x(x_ref, row, cols, stream) for cols in pieces]
     ent = _row_entries(packed_ref, row, slots, n_tiles)
-    tr.store(
-        words_ref.at[row, ent.tile_ids * slots],
-        ent.counts.astype(jnp.uint32),
-        mask=ent.real(n_tiles),
-    )
+    if not in_place:
+        tr.store(
+            words_ref.at[row, ent.tile_ids * slots],
+            ent.counts.astype(jnp.uint32),
+            mask=ent.real(n_tiles),
+        )
 
     def words_of(step):
         pos, ok = ent.positions(step, group)
@@ -424,7 +432,7 @@ def t2d(
     tag = f"{'gated_' if gated else ''}t2d_c{compression}"
     out_shape = jax.ShapeDtypeStruct((m, h), x.dtype)
 
-    def launch(kernel, launch_cfg, grid, name, out_shapes, *args):
+    def launch(kernel, launch_cfg, grid, name, out_shapes, *args, aliases=None):
         block = min(launch_cfg.block_h, h_chunk(h))
         return tr.pallas_call(
             functools.partial(kernel, slots=slots, group=launch_cfg.group, block=block,
@@ -434,6 +442,7 @@ def t2d(
             compiler_params=tr.compiler_params(launch_cfg.num_warps, cfg.num_stages),
             interpret=interpret,
             name=f"twell_{name}_{tag}",
+            input_output_aliases=aliases or {},
         )(*args)  # fmt: skip
 
     if not cfg.split:
@@ -445,7 +454,10 @@ def t2d(
         return launch(spmm, cfg.spmm, spmm_grid, "spmm", out_shape, x, packed, *weights)
     words = jax.ShapeDtypeStruct(packed.shape, jnp.uint32)
     sddmm_out = (words, jax.ShapeDtypeStruct(packed.shape, _F32)) if high_precision else words
-    sddmm = functools.partial(_sddmm_kernel, high_precision=high_precision)
-    hidden = launch(sddmm, cfg.sddmm, lambda b: (m,), "sddmm", sddmm_out, x, packed, weights[1])
+    sddmm = functools.partial(_sddmm_kernel, high_precision=high_precision, in_place=cfg.in_place)
+    hidden = launch(
+        sddmm, cfg.sddmm, lambda b: (m,), "sddmm", sddmm_out, x, packed, weights[1],
+        aliases={1: 0} if cfg.in_place else None,
+    )  # fmt: skip
     hidden = hidden if high_precision else (hidden,)
     return launch(spmm, cfg.spmm, spmm_grid, "spmm", out_shape, x, *hidden, *weights)

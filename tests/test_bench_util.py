@@ -25,7 +25,8 @@ def test_time_interleaved_rotates_and_reports_round_ratios():
 
     fns = {"slow": sleeper("slow", 0.004), "fast": sleeper("fast", 0.001)}
     out = bu.time_interleaved(fns, 1, warmup=1, reps=4)
-    assert calls == ["slow", "fast"] * 5  # one warm-up round, then 4 rounds in rotation
+    # one warm-up round, then 4 rounds in rotation, every other one reversed
+    assert calls == ["slow", "fast"] + ["slow", "fast", "fast", "slow"] * 2
     assert out["slow"]["reps"] == 4 and len(out["fast"]["times_ms"]) == 4
     assert out["slow"]["median_ms"] > out["fast"]["median_ms"] >= 1.0
     assert set(out["ratios"]) == {"slow/fast"}
@@ -44,7 +45,7 @@ def test_time_interleaved_inner_calls_back_to_back():
         return call
 
     out = bu.time_interleaved({"a": fn("a"), "b": fn("b")}, 1, warmup=1, reps=2, inner=3)
-    assert calls == ["a", "b"] + (["a"] * 3 + ["b"] * 3) * 2  # warm-up calls each once
+    assert calls == ["a", "b"] + ["a"] * 3 + ["b"] * 6 + ["a"] * 3  # warm-up calls each once
     assert out["a"]["reps"] == 2
     assert 2.0 <= out["a"]["median_ms"] < 6.0  # per call, not per batch of 3
 

@@ -137,6 +137,28 @@ def test_t2d_exact(interpret, compression, gated, bias, plan):
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
 
 
+@pytest.mark.parametrize("interpret", INTERPRET_AND_GPU)
+@pytest.mark.parametrize("high_precision", [False, True], ids=["bf16", "hp"])
+@pytest.mark.parametrize("bias", [12.0, 0.0], ids=["sparse", "overflowing"])
+def test_t2d_in_place_sddmm(interpret, high_precision, bias):
+    """h written over the gate's words (the default) gives the fresh buffer's output,
+    and a gate the caller still holds is left as it was (XLA copies it first)."""
+    x, ws, wu, wd = integer_mlp(2, 21, 128, 512, bias)
+    packed = _packed(x, ws, 8)
+    before = np.asarray(packed)
+    run = lambda in_place: t2d(
+        x, packed, (ws, wu, wd), high_precision=high_precision, interpret=interpret,
+        cfg=T2DConfig(spmm=RowLaunch(group=4, num_warps=1, block_h=64), in_place=in_place),
+    )  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(run(True)), np.asarray(run(False)))
+    np.testing.assert_array_equal(np.asarray(packed), before)
+    if not high_precision:  # the dense MLP rounds h to bf16, as the bf16 kernels do
+        want = reference.gated_mlp(x, ws, wu, wd)
+        np.testing.assert_array_equal(
+            np.asarray(run(True), np.float32), np.asarray(want, np.float32)
+        )
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_t2d_entry_positions_match_a_tile_walk(seed):
     """Entry e's word, from one reduction over the tiles, equals walking the tiles:

@@ -42,6 +42,14 @@ def _assert_same_words(packed, expected, n, compression):
     )
 
 
+def _assert_counts(counts, expected, compression):
+    """The pack's tile-major counts are the oracle's true counts, transposed."""
+    assert counts.dtype == jnp.int32
+    np.testing.assert_array_equal(
+        np.asarray(counts), np.asarray(fmt.tile_counts(expected, compression)).T
+    )
+
+
 def _adversarial(seed, m, n):
     """Sparse random values with an all-zero row, a full tile and a dense row."""
     rng = np.random.default_rng(seed)
@@ -61,8 +69,12 @@ def _adversarial(seed, m, n):
 def test_pack_matches_oracle(interpret, compression, m):
     """Odd M (masked row block), empty rows, full and overflowing tiles, every C."""
     h = _adversarial(m, m, 768)
-    packed = pack_tiles(h, compression=compression, cfg=SMALL_PACK, interpret=interpret)
-    _assert_same_words(packed, fmt.pack(h, compression), 768, compression)
+    packed, counts = pack_tiles(
+        h, compression=compression, cfg=SMALL_PACK, interpret=interpret, with_counts=True
+    )
+    expected = fmt.pack(h, compression)
+    _assert_same_words(packed, expected, 768, compression)
+    _assert_counts(counts, expected, compression)
 
 
 @pytest.mark.parametrize("interpret", INTERPRET_AND_GPU)
@@ -95,6 +107,11 @@ def test_pack_configs(interpret, cfg):
     h = _adversarial(7, 45, 512)
     packed = pack_tiles(h, compression=4, cfg=cfg, interpret=interpret)
     _assert_same_words(packed, fmt.pack(h, 4), 512, 4)
+    words, counts = pack_tiles(h, compression=4, cfg=cfg, interpret=interpret, with_counts=True)
+    np.testing.assert_array_equal(
+        np.asarray(fmt.tile_counts(words, 4)), np.asarray(fmt.tile_counts(packed, 4))
+    )
+    _assert_counts(counts, fmt.pack(h, 4), 4)
 
 
 def _grouped_tiers(m=24, n=512):
@@ -175,7 +192,8 @@ def test_pack_rejects_bad_inputs(h, kwargs, message):
 @pytest.mark.parametrize("compression", fmt.COMPRESSIONS)
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("m", [16384, 16383], ids=["whole_blocks", "partial_block"])
-def test_pack_lowers_for_cuda(compression, method, m):
+@pytest.mark.parametrize("with_counts", [False, True], ids=["words", "with_counts"])
+def test_pack_lowers_for_cuda(compression, method, m, with_counts):
     """Production shape (N=5632) and the default block sizes; an odd M masks the load."""
     h = jnp.zeros((m, 5632), jnp.bfloat16)
     fn = functools.partial(
@@ -183,6 +201,7 @@ def test_pack_lowers_for_cuda(compression, method, m):
         compression=compression,
         cfg=PackConfig(method=method, block_m=16 if method == "matmul" else 2),
         interpret=False,
+        with_counts=with_counts,
     )
     assert count_triton_calls(fn, h) == 1
 
@@ -203,9 +222,10 @@ def test_gpu_production_shape_two_pass_equals_fused():
     from experiments.bench_util import synthetic_mlp
 
     x, wg, _, _ = synthetic_mlp(4099, 2048, 5632, 30.0)
-    two_pass = gate_then_pack(x, wg)
+    two_pass, counts = gate_then_pack(x, wg, with_counts=True)
     expected = fmt.pack(reference.hidden(x, wg), 8)
     _assert_same_words(two_pass, expected, 5632, 8)
+    _assert_counts(counts, expected, 8)
     # The fused kernel sums in another order: it may differ only at the ReLU boundary.
     fused = d2t(x, wg)
     differ = fmt.unpack(fused, 5632, 8) != fmt.unpack(two_pass, 5632, 8)
