@@ -9,7 +9,8 @@ Each entry gathers the contiguous weight rows Wu[j] and Wd[j] (4 KB each at H=20
 mostly L2 hits), so the kernels are bound by L2 bandwidth. Two launch plans:
 
 - split (default): a TwELL SDDMM (one program per row: x in registers, h_j for each
-  entry, written back as TwELL words at the same slots) and a TwELL SpMM (one program
+  entry, written as TwELL words at the same slots, by default over the gate's own
+  words: `T2DConfig.in_place`) and a TwELL SpMM (one program
   per (row, H block): out += h_j Wd[j, block]). The non-gated T2D is the SpMM alone.
   With one warp per program every reduction stays in shuffles and the registers go to
   gathers in flight: 3.6-3.7 ms against 4.4 ms for the fused kernel on the H200 at
