@@ -292,6 +292,19 @@ def test_t2d_lowers_for_cuda(compression, gated, high_precision, split):
     assert count_triton_calls(fn, x, packed, *weights) == (2 if split and gated else 1)
 
 
+@pytest.mark.parametrize("high_precision", [False, True], ids=["bf16", "hp"])
+def test_t2d_lowers_for_cuda_with_a_fresh_h_buffer(high_precision):
+    """The SDDMM that copies the counts into its own output (in_place=False)."""
+    x = jnp.zeros((M_PROD, H_PROD), jnp.bfloat16)
+    packed = jnp.zeros((M_PROD, N_PROD // 8), jnp.uint32)
+    w = jnp.zeros((N_PROD, H_PROD), jnp.bfloat16)
+    cfg = T2DConfig(in_place=False)
+    fn = lambda x, p, a, b, c: t2d(
+        x, p, (a, b, c), high_precision=high_precision, cfg=cfg, interpret=False
+    )
+    assert count_triton_calls(fn, x, packed, w, w, w) == 2
+
+
 def test_t2d_lowers_for_cuda_at_non_power_of_two_width():
     x = jnp.zeros((M_PROD, 768), jnp.bfloat16)
     w = jnp.zeros((3072, 768), jnp.bfloat16)
