@@ -50,9 +50,11 @@ def time_interleaved(fns: dict, *args, warmup: int = 3, reps: int = 15, inner: i
     when one call takes most of a second and two runs differ by a few percent.
     Every other round runs in reverse order (a b | b a | a b ...), so each function
     follows each other one equally often: on a power-limited GPU a kernel that runs
-    right after dense GEMMs starts throttled, and with a fixed order the function
-    listed second paid that every round (2-3% on the H200, results/NOTES.md
-    session 13).
+    right after dense GEMMs starts throttled (with a fixed order, the variant right
+    after the dense MLP ran 3-5% slower than the same kernels later in the round on
+    the H200; results/s13_hlo.json). Each function still runs partly in the power
+    state the others leave, so a ratio timed this way can differ from the ratio of
+    each function timed alone (results/NOTES.md, session 13).
 
     Args:
       fns: name -> callable.
