@@ -131,7 +131,8 @@ def kernel_case(
     d2t = jax.jit(lambda x, w: d2t_mod.d2t(x, w, compression=c))
     d2t_two_pass = jax.jit(lambda x, w: twell_pack.gate_then_pack(x, w, compression=c))
     pack = jax.jit(lambda g: twell_pack.pack_tiles(g, compression=c))
-    # Alone, the gate is a jit input: writing h over it in place would time a copy of it.
+    # Alone, the gate is a jit input: writing h over it in place (compact_h=False)
+    # would time a copy of it.
     alone = t2d_mod.T2DConfig(in_place=False)
     gated_t2d = jax.jit(
         lambda x, p, a, b, d: t2d_mod.t2d(x, p, (a, b, d), compression=c, cfg=alone)

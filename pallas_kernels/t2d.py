@@ -9,8 +9,8 @@ Each entry gathers the contiguous weight rows Wu[j] and Wd[j] (4 KB each at H=20
 mostly L2 hits), so the kernels are bound by L2 bandwidth. Two launch plans:
 
 - split (default): a TwELL SDDMM (one program per row: x in registers, h_j for each
-  entry, written as TwELL words at the same slots, by default over the gate's own
-  words: `T2DConfig.in_place`) and a TwELL SpMM (one program
+  entry, by default listed in order in a compact buffer, `T2DConfig.compact_h`;
+  otherwise written as TwELL words at the gate's slots) and a TwELL SpMM (one program
   per (row, H block): out += h_j Wd[j, block]). The non-gated T2D is the SpMM alone.
   With one warp per program every reduction stays in shuffles and the registers go to
   gathers in flight: 3.6-3.7 ms against 4.4 ms for the fused kernel on the H200 at
@@ -91,6 +91,12 @@ class T2DConfig:
     # sector the kernel has just read, so no partly written sectors go to HBM. XLA
     # copies the gate first if the caller still holds it.
     in_place: bool = True
+    # The SDDMM lists h contiguously in a buffer of its own instead (word 0: the count,
+    # bit 31 set when a tile overflowed; words 1..count: the entries), so the SpMM reads
+    # a row's words in order rather than walking its tiles' counts (in_place then has
+    # no effect): 1.0-1.1% of the gated MLP at M=131072 and 16384 on the H200
+    # (results/s13_compact.json).
+    compact_h: bool = True
 
 
 def h_chunk(h: int) -> int:
@@ -167,6 +173,43 @@ class _Entries(NamedTuple):
         ok = e < self.total
         before = jnp.where(self.ends[None, :] <= e[:, None], self.gaps[None, :], 0)
         return e + 1 + jnp.sum(before, axis=1), ok
+
+
+class _CompactEntries(NamedTuple):
+    """A row's entries as the compact SDDMM lists them: words 1..total of the row.
+
+    total: int32 scalar; overflow: bool scalar, some tile of the row overflowed (its
+    count is still in the gate's words, which the SpMM's dense path reads).
+    """
+
+    total: jax.Array
+    overflow: jax.Array
+
+    def any_overflow(self, slots: int) -> jax.Array:
+        del slots
+        return self.overflow
+
+    def n_steps(self, group: int) -> jax.Array:
+        return (self.total + group - 1) // group
+
+    def positions(self, step, group: int) -> tuple[jax.Array, jax.Array]:
+        e = step * group + _iota(group)
+        return e + 1, e < self.total
+
+
+_OVERFLOW_BIT = 31
+
+
+def _compact_head(ent: _Entries, slots: int) -> jax.Array:
+    """Word 0 of a compact h row: the listed count, bit 31 set if a tile overflowed."""
+    flag = ent.any_overflow(slots).astype(jnp.uint32) << _OVERFLOW_BIT
+    return ent.total.astype(jnp.uint32) | flag
+
+
+def _compact_entries(h_ref, row) -> _CompactEntries:
+    head = h_ref[row, 0]
+    total = (head & ((1 << _OVERFLOW_BIT) - 1)).astype(jnp.int32)
+    return _CompactEntries(total, (head >> _OVERFLOW_BIT) != 0)
 
 
 def _row_entries(words_ref, row, slots: int, n_tiles: int) -> _Entries:
@@ -309,14 +352,15 @@ def _fused_kernel(x_ref, packed_ref, *refs, gated, high_precision, slots, group,
 
 
 def _sddmm_kernel(x_ref, packed_ref, wu_ref, words_ref, *h32_ref, high_precision, slots, group,
-                  block, hints, in_place):  # fmt: skip
+                  block, hints, in_place, compact):  # fmt: skip
     """One token row: h_j = g_j * (x . Wu[j]) at every listed entry of the gate.
 
     Writes words_ref [M, N/C] uint32: the gate's count words (true counts, also past
     capacity) and, at each listed entry's slot, (bf16(h_j) << 16) | j; in high
     precision also h32_ref [M, N/C] fp32 = h_j at the same slots. In place, words_ref
     is packed_ref's buffer: the counts are already there and each entry's word is read
-    before its h word replaces it.
+    before its h word replaces it. Compact: words_ref (and h32_ref) list the row's
+    entries in order at words 1..count instead, word 0 being `_compact_head`.
     """
     keep, stream = _policies(hints)
     row = tr.program_id(0, x_ref.shape[0])
@@ -324,7 +368,9 @@ def _sddmm_kernel(x_ref, packed_ref, wu_ref, words_ref, *h32_ref, high_precision
     pieces = _pieces(x_ref.shape[1], block)
     x = [_load_x(x_ref, row, cols, stream) for cols in pieces]
     ent = _row_entries(packed_ref, row, slots, n_tiles)
-    if not in_place:
+    if compact:
+        words_ref[row, 0] = _compact_head(ent, slots)
+    elif not in_place:
         tr.store(
             words_ref.at[row, ent.tile_ids * slots],
             ent.counts.astype(jnp.uint32),
@@ -340,29 +386,36 @@ def _sddmm_kernel(x_ref, packed_ref, wu_ref, words_ref, *h32_ref, high_precision
         pos, ok, word = loaded
         j, g = _decode(word)
         hv = _hidden(g, _dots(x.__getitem__, pieces, wu_ref, j, ok, keep), high_precision)
-        tr.store(words_ref.at[row, pos], fmt.encode_words(hv, j), mask=ok)
+        at = step * group + _iota(group) + 1 if compact else pos
+        tr.store(words_ref.at[row, at], fmt.encode_words(hv, j), mask=ok)
         if h32_ref:
-            tr.store(h32_ref[0].at[row, pos], hv, mask=ok)
+            tr.store(h32_ref[0].at[row, at], hv, mask=ok)
         return following
 
     lax.fori_loop(0, ent.n_steps(group), entry_group, words_of(0))
 
 
-def _spmm_kernel(x_ref, words_ref, *refs, gated, high_precision, slots, group, block, hints):
+def _spmm_kernel(x_ref, words_ref, *refs, gated, high_precision, slots, group, block, hints,
+                 compact):  # fmt: skip
     """Program (row, H block): out[row, block] = sum over entries of h_j Wd[j, block].
 
     words_ref [M, N/C] uint32 holds h_j (the SDDMM's words, or the non-gated packed
-    activation); refs: [h32_ref (high precision)], the weights an overflowed tile is
-    recomputed from ((w_gate, w_up) gated, (w_up,) non-gated), w_down, out_ref.
+    activation); refs: [h32_ref (high precision)], [the gate's words (compact: the
+    counts of overflowed tiles)], the weights an overflowed tile is recomputed from
+    ((w_gate, w_up) gated, (w_up,) non-gated), w_down, out_ref.
     """
     h32_ref = refs[0] if high_precision and gated else None
     refs = refs[1:] if h32_ref is not None else refs
+    counts_ref, refs = (refs[0], refs[1:]) if compact else (words_ref, refs)
     *w_dense, wd_ref, out_ref = refs
     keep, stream = _policies(hints)
     row, hb = tr.program_id(0, x_ref.shape[0]), tr.program_id(1, x_ref.shape[1] // block)
-    n_tiles = words_ref.shape[1] // slots
+    n_tiles = counts_ref.shape[1] // slots
     d = hb * block + _iota(block)
-    ent = _row_entries(words_ref, row, slots, n_tiles)
+    if compact:
+        ent = _compact_entries(words_ref, row)
+    else:
+        ent = _row_entries(words_ref, row, slots, n_tiles)
 
     def add_rows(acc, hv, j, ok):
         return acc + jnp.sum(hv[:, None] * _gather(wd_ref, j, ok, d, keep), axis=0)
@@ -388,7 +441,7 @@ def _spmm_kernel(x_ref, words_ref, *refs, gated, high_precision, slots, group, b
     pieces = _pieces(x_ref.shape[1], block)
     x_piece = lambda k: _load_x(x_ref, row, pieces[k], None)
     acc = _add_overflowed(
-        acc, words_ref, row, ent, slots=slots, group=group, add_rows=add_rows,
+        acc, counts_ref, row, ent, slots=slots, group=group, add_rows=add_rows,
         hidden_of=functools.partial(
             _dense_hidden, x_piece, pieces, w_dense, high_precision=high_precision, policy=keep
         ),
@@ -449,16 +502,23 @@ def t2d(
     if not cfg.split:
         kernel = functools.partial(_fused_kernel, gated=gated, high_precision=high_precision)
         return launch(kernel, cfg.fused, lambda b: (m,), "fused", out_shape, x, packed, *weights)
-    spmm = functools.partial(_spmm_kernel, gated=gated, high_precision=high_precision)
+    compact = gated and cfg.compact_h
+    spmm = functools.partial(
+        _spmm_kernel, gated=gated, high_precision=high_precision, compact=compact
+    )
     spmm_grid = lambda b: (m, h // b)  # rows fastest: one H block of Wd is live at a time
     if not gated:
         return launch(spmm, cfg.spmm, spmm_grid, "spmm", out_shape, x, packed, *weights)
     words = jax.ShapeDtypeStruct(packed.shape, jnp.uint32)
     sddmm_out = (words, jax.ShapeDtypeStruct(packed.shape, _F32)) if high_precision else words
-    sddmm = functools.partial(_sddmm_kernel, high_precision=high_precision, in_place=cfg.in_place)
+    in_place = cfg.in_place and not compact
+    sddmm = functools.partial(
+        _sddmm_kernel, high_precision=high_precision, in_place=in_place, compact=compact
+    )
     hidden = launch(
         sddmm, cfg.sddmm, lambda b: (m,), "sddmm", sddmm_out, x, packed, weights[1],
-        aliases={1: 0} if cfg.in_place else None,
+        aliases={1: 0} if in_place else None,
     )  # fmt: skip
     hidden = hidden if high_precision else (hidden,)
-    return launch(spmm, cfg.spmm, spmm_grid, "spmm", out_shape, x, *hidden, *weights)
+    gate = (packed,) if compact else ()
+    return launch(spmm, cfg.spmm, spmm_grid, "spmm", out_shape, x, *hidden, *gate, *weights)

@@ -116,6 +116,7 @@ def test_t2d_rejects_bad_launches(cfg, message):
 # of the split plan's SpMM gives several H blocks per row at test widths.
 PLANS = {
     "split": T2DConfig(spmm=RowLaunch(group=4, num_warps=1, block_h=64)),
+    "split_compact": T2DConfig(spmm=RowLaunch(group=4, num_warps=1, block_h=64), compact_h=True),
     "fused": T2DConfig(split=False),
 }
 plans = pytest.mark.parametrize("plan", list(PLANS))
@@ -208,7 +209,8 @@ def test_t2d_d_model_sizes(interpret, h, plan):
     x, ws, wu, wd = integer_mlp(4, 4, h, 256, 0.0, gated_bias=False)
     x = x.at[:, 1:].set(jnp.clip(x[:, 1:], -1, 1))
     ws = ws.at[:, 0].set(-float(h) / 8)
-    cfg = T2DConfig(split=plan == "split")  # production block_h: H=2048 gives 2 SpMM blocks
+    # production block_h: H=2048 gives 2 SpMM blocks
+    cfg = T2DConfig(split=plan != "fused", compact_h=plan == "split_compact")
     out = t2d(x, _packed(x, ws, 8), (ws, wu, wd), compression=8, cfg=cfg, interpret=interpret)
     assert_bf16_close(out, x, (ws, wu, wd), gated=True)
 
@@ -290,6 +292,20 @@ def test_t2d_lowers_for_cuda(compression, gated, high_precision, split):
 
     # split gated: SDDMM then SpMM; split non-gated: the SpMM alone; fused: one kernel.
     assert count_triton_calls(fn, x, packed, *weights) == (2 if split and gated else 1)
+
+
+@pytest.mark.parametrize("compression", fmt.COMPRESSIONS)
+@pytest.mark.parametrize("high_precision", [False, True], ids=["bf16", "hp"])
+def test_t2d_lowers_for_cuda_with_compact_h(compression, high_precision):
+    x = jnp.zeros((M_PROD, H_PROD), jnp.bfloat16)
+    packed = jnp.zeros((M_PROD, N_PROD // compression), jnp.uint32)
+    w = jnp.zeros((N_PROD, H_PROD), jnp.bfloat16)
+    cfg = T2DConfig(compact_h=True)
+    fn = lambda x, p, a, b, c: t2d(
+        x, p, (a, b, c), compression=compression, high_precision=high_precision, cfg=cfg,
+        interpret=False,
+    )  # fmt: skip
+    assert count_triton_calls(fn, x, packed, w, w, w) == 2
 
 
 @pytest.mark.parametrize("high_precision", [False, True], ids=["bf16", "hp"])
