@@ -131,12 +131,7 @@ def kernel_case(
     d2t = jax.jit(lambda x, w: d2t_mod.d2t(x, w, compression=c))
     d2t_two_pass = jax.jit(lambda x, w: twell_pack.gate_then_pack(x, w, compression=c))
     pack = jax.jit(lambda g: twell_pack.pack_tiles(g, compression=c))
-    # Alone, the gate is a jit input: writing h over it in place (compact_h=False)
-    # would time a copy of it.
-    alone = t2d_mod.T2DConfig(in_place=False)
-    gated_t2d = jax.jit(
-        lambda x, p, a, b, d: t2d_mod.t2d(x, p, (a, b, d), compression=c, cfg=alone)
-    )
+    gated_t2d = jax.jit(lambda x, p, a, b, d: t2d_mod.t2d(x, p, (a, b, d), compression=c))
     fused_plan = t2d_mod.T2DConfig(split=False)
     gated_t2d_fused = jax.jit(
         lambda x, p, a, b, d: t2d_mod.t2d(x, p, (a, b, d), compression=c, cfg=fused_plan)
@@ -240,8 +235,7 @@ def _t2d_plan(spec: str) -> t2d_mod.T2DConfig:
     if plan == "fused" and len(launches) == 1:
         return t2d_mod.T2DConfig(split=False, fused=launches[0])
     if plan == "split" and len(launches) == 2:
-        # the gate is a jit input here: in place would time a copy of it
-        return t2d_mod.T2DConfig(sddmm=launches[0], spmm=launches[1], in_place=False)
+        return t2d_mod.T2DConfig(sddmm=launches[0], spmm=launches[1])
     raise ValueError(f"--tune_t2d_cfg {spec!r}: want split:<g,w,bh>:<g,w,bh> or fused:<g,w,bh>")
 
 

@@ -86,16 +86,13 @@ class T2DConfig:
     # Weight rows are re-read by every token, activations once: ask L2 to keep the
     # weights (evict_last) and to drop the streamed rows first.
     cache_hints: bool = True
-    # The SDDMM writes h over the gate's words in the gate's own buffer (an XLA
-    # input/output alias): the counts are already there, and each h word lands in a
-    # sector the kernel has just read, so no partly written sectors go to HBM. XLA
-    # copies the gate first if the caller still holds it.
-    in_place: bool = True
-    # The SDDMM lists h contiguously in a buffer of its own instead (word 0: the count,
-    # bit 31 set when a tile overflowed; words 1..count: the entries), so the SpMM reads
-    # a row's words in order rather than walking its tiles' counts (in_place then has
-    # no effect): 1.0-1.1% of the gated MLP at M=131072 and 16384 on the H200
-    # (results/s13_compact.json).
+    # The SDDMM lists h contiguously in a buffer of its own (word 0: the count, bit 31
+    # set when a tile overflowed; words 1..count: the entries), so the SpMM reads a
+    # row's words in order rather than walking its tiles' counts: 1.0-1.1% of the gated
+    # MLP at M=131072 and 16384 on the H200 (results/s13_compact.json). False: h goes
+    # over the gate's words in the gate's own buffer (an XLA input/output alias; the
+    # counts are already there, and each h word lands in a sector the kernel has just
+    # read; XLA copies the gate first if the caller still holds it).
     compact_h: bool = True
 
 
@@ -141,20 +138,16 @@ def _hidden(g: jax.Array, u: jax.Array, high_precision: bool) -> jax.Array:
 class _Entries(NamedTuple):
     """A row's listed TwELL entries, flattened across tiles (tile-major, column order).
 
-    tile_ids, counts, ends, gaps: int32 [next_pow2(n_tiles)]: tile t's true count, the
-    listed entries up to and including tile t, and the words of tile t that hold no
-    listed entry (its count word and unused or unlisted slots); total: int32 scalar.
-    Overflowed tiles list no entries (their payload is incomplete).
+    counts, ends, gaps: int32 [next_pow2(n_tiles)]: tile t's true count (0 on padding
+    tiles), the listed entries up to and including tile t, and the words of tile t that
+    hold no listed entry (its count word and unused or unlisted slots); total: int32
+    scalar. Overflowed tiles list no entries (their payload is incomplete).
     """
 
-    tile_ids: jax.Array
     counts: jax.Array
     ends: jax.Array
     gaps: jax.Array
     total: jax.Array
-
-    def real(self, n_tiles: int) -> jax.Array:
-        return self.tile_ids < n_tiles
 
     def any_overflow(self, slots: int) -> jax.Array:
         return jnp.sum((self.counts >= slots).astype(jnp.int32)) > 0
@@ -215,13 +208,13 @@ def _compact_entries(h_ref, row) -> _CompactEntries:
 def _row_entries(words_ref, row, slots: int, n_tiles: int) -> _Entries:
     tile_ids = _iota(_next_pow2(n_tiles))
     counts = tr.load(words_ref.at[row, tile_ids * slots], mask=tile_ids < n_tiles, other=0)
-    return _entries_of(tile_ids, counts.astype(jnp.int32), slots)
+    return _entries_of(counts.astype(jnp.int32), slots)
 
 
-def _entries_of(tile_ids: jax.Array, counts: jax.Array, slots: int) -> _Entries:
+def _entries_of(counts: jax.Array, slots: int) -> _Entries:
     """_Entries of a row's per-tile true counts (int32, 0 on padding tiles)."""
     listed = jnp.where(counts >= slots, 0, counts)  # overflowed tiles are recomputed
-    return _Entries(tile_ids, counts, jnp.cumsum(listed), slots - listed, jnp.sum(listed))
+    return _Entries(counts, jnp.cumsum(listed), slots - listed, jnp.sum(listed))
 
 
 def _decode(word: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -352,15 +345,14 @@ def _fused_kernel(x_ref, packed_ref, *refs, gated, high_precision, slots, group,
 
 
 def _sddmm_kernel(x_ref, packed_ref, wu_ref, words_ref, *h32_ref, high_precision, slots, group,
-                  block, hints, in_place, compact):  # fmt: skip
+                  block, hints, compact):  # fmt: skip
     """One token row: h_j = g_j * (x . Wu[j]) at every listed entry of the gate.
 
-    Writes words_ref [M, N/C] uint32: the gate's count words (true counts, also past
-    capacity) and, at each listed entry's slot, (bf16(h_j) << 16) | j; in high
-    precision also h32_ref [M, N/C] fp32 = h_j at the same slots. In place, words_ref
-    is packed_ref's buffer: the counts are already there and each entry's word is read
-    before its h word replaces it. Compact: words_ref (and h32_ref) list the row's
-    entries in order at words 1..count instead, word 0 being `_compact_head`.
+    Compact: words_ref [M, N/C] uint32 lists the row's (bf16(h_j) << 16) | j in order
+    at words 1..count, word 0 being `_compact_head`. Otherwise words_ref is packed_ref's
+    buffer (aliased) and each listed entry's word, read first, is replaced by its h word
+    at the same slot; the gate's true counts stay. In high precision h32_ref [M, N/C]
+    fp32 holds h_j at the same words.
     """
     keep, stream = _policies(hints)
     row = tr.program_id(0, x_ref.shape[0])
@@ -370,12 +362,6 @@ def _sddmm_kernel(x_ref, packed_ref, wu_ref, words_ref, *h32_ref, high_precision
     ent = _row_entries(packed_ref, row, slots, n_tiles)
     if compact:
         words_ref[row, 0] = _compact_head(ent, slots)
-    elif not in_place:
-        tr.store(
-            words_ref.at[row, ent.tile_ids * slots],
-            ent.counts.astype(jnp.uint32),
-            mask=ent.real(n_tiles),
-        )
 
     def words_of(step):
         pos, ok = ent.positions(step, group)
@@ -511,13 +497,10 @@ def t2d(
         return launch(spmm, cfg.spmm, spmm_grid, "spmm", out_shape, x, packed, *weights)
     words = jax.ShapeDtypeStruct(packed.shape, jnp.uint32)
     sddmm_out = (words, jax.ShapeDtypeStruct(packed.shape, _F32)) if high_precision else words
-    in_place = cfg.in_place and not compact
-    sddmm = functools.partial(
-        _sddmm_kernel, high_precision=high_precision, in_place=in_place, compact=compact
-    )
+    sddmm = functools.partial(_sddmm_kernel, high_precision=high_precision, compact=compact)
     hidden = launch(
         sddmm, cfg.sddmm, lambda b: (m,), "sddmm", sddmm_out, x, packed, weights[1],
-        aliases={1: 0} if in_place else None,
+        aliases=None if compact else {1: 0},
     )  # fmt: skip
     hidden = hidden if high_precision else (hidden,)
     gate = (packed,) if compact else ()

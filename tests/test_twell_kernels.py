@@ -142,14 +142,14 @@ def test_t2d_exact(interpret, compression, gated, bias, plan):
 @pytest.mark.parametrize("high_precision", [False, True], ids=["bf16", "hp"])
 @pytest.mark.parametrize("bias", [12.0, 0.0], ids=["sparse", "overflowing"])
 def test_t2d_in_place_sddmm(interpret, high_precision, bias):
-    """h written over the gate's words (the default) gives the fresh buffer's output,
-    and a gate the caller still holds is left as it was (XLA copies it first)."""
+    """h written over the gate's words (compact_h=False) gives the compact list's
+    output, and a gate the caller still holds is left as it was (XLA copies it first)."""
     x, ws, wu, wd = integer_mlp(2, 21, 128, 512, bias)
     packed = _packed(x, ws, 8)
     before = np.asarray(packed)
     run = lambda in_place: t2d(
         x, packed, (ws, wu, wd), high_precision=high_precision, interpret=interpret,
-        cfg=T2DConfig(spmm=RowLaunch(group=4, num_warps=1, block_h=64), in_place=in_place),
+        cfg=T2DConfig(spmm=RowLaunch(group=4, num_warps=1, block_h=64), compact_h=not in_place),
     )  # fmt: skip
     np.testing.assert_array_equal(np.asarray(run(True)), np.asarray(run(False)))
     np.testing.assert_array_equal(np.asarray(packed), before)
@@ -169,7 +169,7 @@ def test_t2d_entry_positions_match_a_tile_walk(seed):
     counts = rng.choice([0, 0, 1, 2, slots - 1, slots, 40], size=n_tiles)
     padded = np.zeros(t2d_mod._next_pow2(n_tiles), np.int32)  # as the kernels load them
     padded[:n_tiles] = counts
-    ent = t2d_mod._entries_of(jnp.arange(len(padded)), jnp.asarray(padded), slots)
+    ent = t2d_mod._entries_of(jnp.asarray(padded), slots)
     want = [t * slots + 1 + k for t, c in enumerate(counts) if c < slots for k in range(c)]
     assert int(ent.total) == len(want)
     got = []
@@ -296,28 +296,16 @@ def test_t2d_lowers_for_cuda(compression, gated, high_precision, split):
 
 @pytest.mark.parametrize("compression", fmt.COMPRESSIONS)
 @pytest.mark.parametrize("high_precision", [False, True], ids=["bf16", "hp"])
-def test_t2d_lowers_for_cuda_with_compact_h(compression, high_precision):
+def test_t2d_lowers_for_cuda_with_h_in_place(compression, high_precision):
+    """The SDDMM writing h over the gate's words (the compact list is the default)."""
     x = jnp.zeros((M_PROD, H_PROD), jnp.bfloat16)
     packed = jnp.zeros((M_PROD, N_PROD // compression), jnp.uint32)
     w = jnp.zeros((N_PROD, H_PROD), jnp.bfloat16)
-    cfg = T2DConfig(compact_h=True)
+    cfg = T2DConfig(compact_h=False)
     fn = lambda x, p, a, b, c: t2d(
         x, p, (a, b, c), compression=compression, high_precision=high_precision, cfg=cfg,
         interpret=False,
     )  # fmt: skip
-    assert count_triton_calls(fn, x, packed, w, w, w) == 2
-
-
-@pytest.mark.parametrize("high_precision", [False, True], ids=["bf16", "hp"])
-def test_t2d_lowers_for_cuda_with_a_fresh_h_buffer(high_precision):
-    """The SDDMM that copies the counts into its own output (in_place=False)."""
-    x = jnp.zeros((M_PROD, H_PROD), jnp.bfloat16)
-    packed = jnp.zeros((M_PROD, N_PROD // 8), jnp.uint32)
-    w = jnp.zeros((N_PROD, H_PROD), jnp.bfloat16)
-    cfg = T2DConfig(in_place=False)
-    fn = lambda x, p, a, b, c: t2d(
-        x, p, (a, b, c), high_precision=high_precision, cfg=cfg, interpret=False
-    )
     assert count_triton_calls(fn, x, packed, w, w, w) == 2
 
 
