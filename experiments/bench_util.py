@@ -76,6 +76,12 @@ def time_interleaved(fns: dict, *args, warmup: int = 3, reps: int = 15, inner: i
                 out = fns[name](*args)
             jax.block_until_ready(out)
             times[name].append((time.perf_counter() - start) * 1e3 / inner)
+    return _rotation_summary(times)
+
+
+def _rotation_summary(times: dict[str, list[float]]) -> dict:
+    """Per-name `_summary` plus "times_ms", and the median per-round ratio of each pair."""
+    names = list(times)
     out = {name: {**_summary(ts), "times_ms": ts} for name, ts in times.items()}
     out["ratios"] = {
         f"{a}/{b}": statistics.median(ta / tb for ta, tb in zip(times[a], times[b], strict=True))
@@ -83,6 +89,44 @@ def time_interleaved(fns: dict, *args, warmup: int = 3, reps: int = 15, inner: i
         for b in names[i + 1 :]
     }
     return out
+
+
+def time_steps_interleaved(
+    steps: dict, states: dict, *args, warmup: int = 2, reps: int = 10
+) -> tuple[dict, dict, dict]:
+    """`time_interleaved` for functions that carry a state: `state, aux = step(state, *args)`.
+
+    Each function runs on its own state chain (a donated training state cannot be
+    passed twice), one call per function per round, in rotation with every other round
+    reversed.
+
+    Args:
+      steps: name -> callable returning (new state, aux).
+      states: name -> that function's initial state (consumed if the step donates it).
+
+    Returns:
+      (timing as `time_interleaved` returns it, name -> final state, name -> list of
+      the aux outputs of every call, warm-up first).
+    """
+    names = list(steps)
+    states = dict(states)
+    auxes = {name: [] for name in names}
+
+    def call(name):
+        start = time.perf_counter()
+        states[name], aux = steps[name](states[name], *args)
+        jax.block_until_ready((states[name], aux))
+        auxes[name].append(aux)
+        return (time.perf_counter() - start) * 1e3
+
+    for _ in range(warmup):
+        for name in names:
+            call(name)
+    times = {name: [] for name in names}
+    for rep in range(reps):
+        for name in names if rep % 2 == 0 else names[::-1]:
+            times[name].append(call(name))
+    return _rotation_summary(times), states, auxes
 
 
 def gate_threshold(nnz_per_row: float, n: int, h: int, x_std: float, w_std: float) -> float:

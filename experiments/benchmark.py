@@ -12,6 +12,8 @@ train: the hybrid sparse training op's value_and_grad against dense XLA
 options (compaction, row kernels, transposed SpMM).
 model: model-body forward throughput, twell against dense FFNs, on synthetic-sparsity
 weights (experiments/benchmark_model.py), and on trained checkpoints (--model_workdirs).
+train_model: whole training-step throughput (forward, backward, AdamW), sparse against
+dense FFNs, on the same synthetic-sparsity weights (experiments/benchmark_train_model.py).
 """
 
 from __future__ import annotations
@@ -38,12 +40,18 @@ from twell_jax.config import with_overrides
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum(
-    "mode", "kernel", ["kernel", "tune", "train", "train_tune", "model"], "What to measure."
+    "mode",
+    "kernel",
+    ["kernel", "tune", "train", "train_tune", "model", "train_model"],
+    "What to measure.",
 )
 flags.DEFINE_list("model_presets", ["1.5b", "2b"], "Presets of --mode=model.")
 flags.DEFINE_float("model_nnz", 29.0, "Positive gate entries per token of --mode=model.")
 flags.DEFINE_integer("model_batch", 64, "Sequences per forward of --mode=model.")
 flags.DEFINE_integer("model_seq", 2048, "Sequence length of --mode=model.")
+flags.DEFINE_integer(
+    "train_model_batch", 8, "Sequences per step of --mode=train_model (one micro-batch)."
+)
 flags.DEFINE_list("model_compressions", ["2", "8"], "TwELL compressions C of --mode=model.")
 flags.DEFINE_list(
     "model_workdirs",
@@ -349,6 +357,16 @@ def main(argv):
                 batch=FLAGS.model_batch,
                 reps=FLAGS.reps,
             )
+    elif FLAGS.mode == "train_model":
+        from experiments import benchmark_train_model  # grain, as for --mode=model
+
+        result["cases"] = benchmark_train_model.run(
+            presets=tuple(FLAGS.model_presets),
+            nnz=FLAGS.model_nnz,
+            batch=FLAGS.train_model_batch,
+            seq=FLAGS.model_seq,
+            reps=FLAGS.reps,
+        )
     elif FLAGS.mode == "train_tune":
         result["tune"] = benchmark_train.tune(M=FLAGS.train_tokens, H=h, N=n)
     else:

@@ -34,46 +34,46 @@ from twell_jax.config import ModelConfig, TrainConfig, model_preset, train_confi
 from twell_jax.model import Transformer
 
 
-def _with_gate_bias(state, bias: jax.Array):
-    """state with w_gate[l, :, 0] = -bias[l] (bias [L])."""
-    w = state["blocks"]["ffn"]["w_gate"]
-    w.value = w.value.at[:, :, 0].set(-bias[:, None].astype(w.value.dtype))
-    return state
+def _with_gate_bias(params: dict, bias: jax.Array) -> dict:
+    """params with w_gate[l, :, 0] = -bias[l] (bias [L]); the other arrays are shared."""
+    ffn = params["blocks"]["ffn"]
+    w_gate = ffn["w_gate"].at[:, :, 0].set(-bias[:, None].astype(ffn["w_gate"].dtype))
+    return {**params, "blocks": {**params["blocks"], "ffn": {**ffn, "w_gate": w_gate}}}
 
 
-def synthetic_sparse_state(
+def synthetic_sparse_params(
     preset: str, nnz: float, seed: int = 0, calib_tokens=(8, 2048), rounds: int = 14
-):
+) -> tuple[dict, np.ndarray]:
     """bf16 parameters of `preset` with ~nnz positive gate entries per token per layer.
 
-    Returns (state, l0 per layer [L] measured on the calibration batch).
+    Returns (pure-dict params for `nnx.merge`, l0 per layer [L] measured on the
+    calibration batch).
     """
     cfg = model_preset(preset, ffn_impl="dense", remat=False)
-    model = Transformer(cfg, rngs=nnx.Rngs(seed))
-    graphdef, state = nnx.split(model)
-    state = jax.tree.map(lambda a: a.astype(jnp.bfloat16), state)
-    state["embed"].value = state["embed"].value.at[:, 0].set(1.0)
-    attn, ffn = state["blocks"]["attn"], state["blocks"]["ffn"]
+    graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(seed)))
+    params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), nnx.to_pure_dict(state))
+    params["embed"] = params["embed"].at[:, 0].set(1.0)
+    attn, ffn = params["blocks"]["attn"], params["blocks"]["ffn"]
     for name in ("wq", "wk", "wv"):  # [L, H, nH, D]: ignore the constant coordinate
-        attn[name].value = attn[name].value.at[:, 0].set(0)
-    attn["wo"].value = attn["wo"].value.at[..., 0].set(0)  # [L, nH, D, H]: never write it
+        attn[name] = attn[name].at[:, 0].set(0)
+    attn["wo"] = attn["wo"].at[..., 0].set(0)  # [L, nH, D, H]: never write it
     for name in ("w_up", "w_down"):  # [L, N, H]
-        ffn[name].value = ffn[name].value.at[:, :, 0].set(0)
+        ffn[name] = ffn[name].at[:, :, 0].set(0)
     tokens = jax.random.randint(jax.random.key(seed + 1), calib_tokens, 0, cfg.vocab_size)
 
     @jax.jit
-    def layer_l0(state):
-        return nnx.merge(graphdef, state)(tokens)[1]["l0"]
+    def layer_l0(params):
+        return nnx.merge(graphdef, params)(tokens)[1]["l0"]
 
     lo = jnp.full((cfg.n_layers,), 1e-3)
     hi = jnp.full((cfg.n_layers,), 1e3)
     for _ in range(rounds):  # geometric bisection: l0 falls as the bias grows
         mid = jnp.sqrt(lo * hi)
-        l0 = layer_l0(_with_gate_bias(state, mid))
+        l0 = layer_l0(_with_gate_bias(params, mid))
         lo = jnp.where(l0 > nnz, mid, lo)
         hi = jnp.where(l0 > nnz, hi, mid)
-    state = _with_gate_bias(state, jnp.sqrt(lo * hi))
-    return state, np.asarray(layer_l0(state))
+    params = _with_gate_bias(params, jnp.sqrt(lo * hi))
+    return params, np.asarray(layer_l0(params))
 
 
 def _body_fn(cfg: ModelConfig):
@@ -147,7 +147,7 @@ def run(
     """tokens/ms of the model body for each preset and C, dense and twell, same weights."""
     records = []
     for preset in presets:
-        state, calib_l0 = synthetic_sparse_state(preset, nnz)
+        params, calib_l0 = synthetic_sparse_params(preset, nnz)
         cfg = model_preset(preset)
         tokens = jax.random.randint(jax.random.key(7), (batch, seq), 0, cfg.vocab_size)
         head = {
@@ -158,10 +158,10 @@ def run(
             "calibration_l0_min": float(calib_l0.min()),
             "calibration_l0_max": float(calib_l0.max()),
         }
-        for rec in _compare(cfg, state, tokens, reps, compressions):
+        for rec in _compare(cfg, params, tokens, reps, compressions):
             records.append({**head, **rec})
             print(records[-1], flush=True)
-        del state
+        del params
     return records
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the GPU test suite, then the benchmarks.
-#   bash experiments/gpu_check.sh [tests|kernel|train|model|tune|train_tune|memory|quality|l1sweep|all]...
+#   bash experiments/gpu_check.sh [tests|kernel|train|model|train_model|tune|train_tune|memory|quality|l1sweep|all]...
 # Results (JSON and logs) go to $OUT when set (the device tool), else results/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,6 +27,9 @@ for what in "${@:-all}"; do
                   || status=1 ;;&
     model) python3 -m experiments.benchmark --mode=model --reps=15 --model_compressions=2 --out="$OUT/model_h200.json" \
              || status=1 ;;
+    train_model) python3 -m experiments.benchmark --mode=train_model --reps=8 \
+                   --model_presets="${TRAIN_MODEL_PRESETS:-2b,1.5b}" \
+                   --out="$OUT/train_model_h200.json" || status=1 ;;
     tune) python3 -m experiments.benchmark --mode=tune --out="$OUT/tune_h200.json" || status=1 ;;
     train_tune) python3 -m experiments.benchmark --mode=train_tune \
                   --out="$OUT/train_tune_h200.json" || status=1 ;;

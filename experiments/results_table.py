@@ -85,7 +85,30 @@ def model_table(res: dict) -> str:
     return head + "\n".join(rows)
 
 
-TABLES = {"kernel": kernel_tables, "train": train_table, "model": model_table}
+def train_model_table(res: dict) -> str:
+    head = (
+        "| model | tokens/step | l0 dense / sparse (first -> last step) | dense tokens/ms "
+        "| sparse tokens/ms | change | first loss dense / sparse | tail rows, fallbacks |\n"
+        "|---|---|---|---|---|---|---|---|\n"
+    )
+    rows = [
+        f"| {c['preset']} | {c['tokens']} | {c['dense_l0_first']:.1f} -> "
+        f"{c['dense_l0_last']:.1f} / {c['sparse_l0_first']:.1f} -> {c['sparse_l0_last']:.1f} | "
+        f"{c['dense_tokens_per_ms']:.1f} | {c['sparse_tokens_per_ms']:.1f} | "
+        f"**{100 * (c['speedup'] - 1):+.1f}%** | "
+        f"{c['first_loss_dense']:.4f} / {c['first_loss_sparse']:.4f} | "
+        f"{c['tail_rows_total']}, {c['dense_fallback_total']} |"
+        for c in res["cases"]
+    ]
+    return head + "\n".join(rows)
+
+
+TABLES = {
+    "kernel": kernel_tables,
+    "train": train_table,
+    "model": model_table,
+    "train_model": train_model_table,
+}
 
 
 def main(paths: list[str]) -> None:

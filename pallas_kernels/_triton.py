@@ -9,7 +9,14 @@ from __future__ import annotations
 
 import warnings
 
+# jax.experimental.pallas.fuser is imported for its side effect. Interpret mode imports
+# it the first time a pallas_call runs, and it registers a config option that is part
+# of jit's trace context; every function traced before that (the whole train step, say)
+# then misses jit's cache on its next call and compiles a second time. Registering it
+# here, before anything is traced, keeps one compile per function
+# (tests/test_twell_ops.py).
 import jax
+import jax.experimental.pallas.fuser
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl

@@ -50,6 +50,47 @@ def test_time_interleaved_inner_calls_back_to_back():
     assert 2.0 <= out["a"]["median_ms"] < 6.0  # per call, not per batch of 3
 
 
+def test_time_steps_interleaved_carries_each_state_chain():
+    calls = []
+
+    def stepper(name, seconds):
+        def step(state, inc):
+            calls.append(name)
+            time.sleep(seconds)
+            return state + inc, {"seen": state}
+
+        return step
+
+    steps = {"slow": stepper("slow", 0.004), "fast": stepper("fast", 0.001)}
+    timing, states, auxes = bu.time_steps_interleaved(
+        steps, {"slow": 0, "fast": 100}, 1, warmup=1, reps=4
+    )
+    assert calls == ["slow", "fast"] + ["slow", "fast", "fast", "slow"] * 2
+    assert states == {"slow": 5, "fast": 105}  # 1 warm-up + 4 timed calls, one chain each
+    assert [a["seen"] for a in auxes["fast"]] == [100, 101, 102, 103, 104]
+    assert timing["slow"]["reps"] == 4 and set(timing["ratios"]) == {"slow/fast"}
+    assert timing["ratios"]["slow/fast"] == pytest.approx(4.0, rel=0.5)
+
+
+def test_train_model_benchmark_runs_on_cpu():
+    """--mode=train_model on the tiny preset: same start, same first loss, l0 on target."""
+    from experiments import benchmark_train_model
+
+    (rec,) = benchmark_train_model.run(
+        presets=("tiny",), nnz=20.0, batch=2, seq=128, reps=2, warmup=1
+    )
+    assert rec["calls_per_chain"] == 3 and rec["reps"] == 2 and rec["tokens"] == 256
+    # Same weights and batch: only the kernels' rounding separates the first losses.
+    assert rec["first_loss_sparse"] == pytest.approx(rec["first_loss_dense"], rel=1e-3)
+    assert rec["first_grad_norm_sparse"] == pytest.approx(rec["first_grad_norm_dense"], rel=1e-2)
+    for impl in ("dense", "sparse"):
+        assert 10 < rec[f"{impl}_l0_first"] < 30
+        assert rec[f"{impl}_l0_last"] == pytest.approx(rec[f"{impl}_l0_first"], rel=0.1)
+    assert rec["sparse_layers_last"] == 4  # the tiny preset's layers, all sparse
+    assert rec["dense_fallback_total"] == 0
+    assert rec["speedup"] == pytest.approx(rec["dense_ms"] / rec["sparse_ms"])
+
+
 def test_time_fn_reports_per_call_time_of_inner_batches():
     calls = []
 
@@ -90,7 +131,9 @@ def test_train_benchmark_runs_on_cpu_with_the_xla_kernels():
 def test_results_table_names_a_file_that_is_not_a_benchmark_output(tmp_path):
     record = tmp_path / "s11_ab.json"
     record.write_text('{"command": "python scratch/ab.py", "results": {}}')
-    with pytest.raises(SystemExit, match=r"s11_ab\.json: not a --mode=kernel/train/model"):
+    with pytest.raises(
+        SystemExit, match=r"s11_ab\.json: not a --mode=kernel/train/model/train_model"
+    ):
         results_table.main([str(record)])
 
 

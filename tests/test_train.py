@@ -280,3 +280,29 @@ def test_abstract_state_matches_created():
         assert a.shape == s.shape and a.dtype == s.dtype
     assert state.tokens_since_fired.shape == (2, 256)
     assert state.use_sparse.dtype == jnp.bool_
+
+
+def test_state_from_given_params_is_a_fresh_fp32_state():
+    cfg = small_config()
+    mesh = train.make_mesh()
+    made = train.create_train_state(cfg, mesh)
+    bf16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), made.params)
+    state = train.train_state_from_params(cfg, mesh, bf16)
+    for a, s in zip(jax.tree.leaves(made), jax.tree.leaves(state), strict=True):
+        assert a.shape == s.shape and a.dtype == s.dtype
+    for p, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(bf16), strict=True):
+        np.testing.assert_array_equal(np.asarray(p), np.asarray(b, np.float32))
+    assert int(state.step) == 0 and not bool(state.use_sparse.any())
+    jax.block_until_ready(bf16)  # not donated by default: still readable
+
+
+def test_state_from_params_names_a_wrong_parameter():
+    cfg = small_config()
+    mesh = train.make_mesh()
+    params = jax.device_get(train.create_train_state(cfg, mesh).params)
+    params["blocks"]["ffn"]["w_up"] = params["blocks"]["ffn"]["w_up"][:, :128]
+    with pytest.raises(ValueError, match=r"\['w_up'\]: shape \(2, 128, 64\), the model expects"):
+        train.train_state_from_params(cfg, mesh, params)
+    del params["blocks"]["ffn"]["w_up"]
+    with pytest.raises(ValueError, match=r"\['w_up'\]: shape missing"):
+        train.train_state_from_params(cfg, mesh, params)

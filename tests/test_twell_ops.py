@@ -1,5 +1,8 @@
 """Public ops twell_gated_mlp / twell_mlp: contract, statistics, errors, gradients."""
 
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -152,3 +155,32 @@ def test_ops_lower_for_cuda(gated):
     else:
         fn = lambda x, a, b: pk.twell_mlp(x, a, b, impl="pallas")
         assert count_triton_calls(fn, x, w, w) == 2  # pack, SpMM
+
+
+# A fresh interpreter: the first interpret-mode pallas_call of a process is what used to
+# register a trace-context config (pallas_kernels/_triton.py says why that matters).
+_TRACE_ONCE = """
+import jax, jax.numpy as jnp
+import pallas_kernels
+traces = []
+
+@jax.jit
+def mlp(x, w):
+    traces.append(None)  # runs once per trace
+    return pallas_kernels.twell_gated_mlp(x, w, w, w, impl="interpret")
+
+x = jnp.ones((8, 64), jnp.bfloat16)
+w = jnp.full((256, 64), 0.01, jnp.bfloat16)
+for _ in range(3):
+    mlp(x, w).block_until_ready()
+print("traces", len(traces))
+"""
+
+
+def test_first_pallas_call_does_not_retrace_the_caller():
+    """The function that holds the first interpret-mode kernel compiles once, not twice."""
+    run = subprocess.run(
+        [sys.executable, "-c", _TRACE_ONCE], capture_output=True, text=True, check=False
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split()[-2:] == ["traces", "1"], run.stdout

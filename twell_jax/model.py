@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+import pallas_kernels
 from twell_jax.config import ModelConfig
 from twell_jax.sparsity import hidden_stats
 
@@ -172,8 +173,6 @@ def _ffn_twell(x: jax.Array, w: dict[str, jax.Array], compression: int) -> tuple
     of h), `max_tile_count` and `overflow_tiles` int32 (TwELL tiles past capacity,
     recomputed densely by the kernel).
     """
-    import pallas_kernels  # Lazy: the model must import without the kernel package built.
-
     if "w_gate" in w:
         out, stats = pallas_kernels.twell_gated_mlp(
             x, w["w_gate"], w["w_up"], w["w_down"], compression=compression, return_stats=True
@@ -201,8 +200,6 @@ def _ffn_sparse(x: jax.Array, w: dict[str, jax.Array]) -> tuple[jax.Array, Stats
     `stats["l1"]` (training spec §3: c = g_l1 / M), exactly as on the dense path, so
     the op's own `l1_coef` stays 0.
     """
-    import pallas_kernels  # Lazy, as in `_ffn_twell`.
-
     out, stats = pallas_kernels.sparse_gated_mlp_train(x, w["w_gate"], w["w_up"], w["w_down"])
     # lax.cond with the dense branch needs identical structures and dtypes.
     return out.astype(x.dtype), {
@@ -311,8 +308,6 @@ def _remat_policy(cfg: ModelConfig) -> Callable | None:
     §6.5) rather than recompute them; recompute everything on the other paths."""
     if cfg.ffn_impl != "sparse":
         return None
-    import pallas_kernels  # Lazy, as in `_ffn_twell`.
-
     name = getattr(pallas_kernels, "RESIDUALS_NAME", None)
     return None if name is None else jax.checkpoint_policies.save_only_these_names(name)
 

@@ -217,12 +217,47 @@ def create_train_state(cfg: TrainConfig, mesh: Mesh, rng: jax.Array | None = Non
     """
     rng = jax.random.key(cfg.seed) if rng is None else rng
     params = _params_initializer(cfg.model, mesh)(rng)
+    return train_state_from_params(cfg, mesh, params, donate=True)
+
+
+def train_state_from_params(
+    cfg: TrainConfig, mesh: Mesh, params: Params, *, donate: bool = False
+) -> TrainState:
+    """A fresh TrainState (step 0, new optimizer state) around given parameters.
+
+    Args:
+      cfg: the run config; `params` must have `Transformer(cfg.model)`'s tree.
+      mesh: from `make_mesh`.
+      params: pure-dict parameters of any float dtype; cast to fp32 (the master copy)
+        and laid out by `param_spec`.
+      donate: let the state reuse `params`' buffers (they are invalid afterwards).
+
+    Raises:
+      ValueError: `params` differs from the model's parameter tree or shapes.
+    """
+    _check_param_shapes(params, _abstract_state(cfg).params)
     complete = jax.jit(
-        functools.partial(_state_from_params, cfg),
+        lambda p: _state_from_params(cfg, jax.tree.map(lambda a: a.astype(jnp.float32), p)),
         out_shardings=train_state_shardings(cfg, mesh),
-        donate_argnums=0,
+        donate_argnums=0 if donate else (),
     )
     return complete(params)
+
+
+def _check_param_shapes(params: Params, expected: Params) -> None:
+    """Raises ValueError naming the first parameter missing, extra or of another shape."""
+
+    def shapes(tree):
+        flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+        return {jax.tree_util.keystr(k): tuple(v.shape) for k, v in flat}
+
+    got, want = shapes(params), shapes(expected)
+    for name in sorted(set(got) | set(want)):
+        if got.get(name) != want.get(name):
+            raise ValueError(
+                f"params{name}: shape {got.get(name, 'missing')}, the model expects "
+                f"{want.get(name, 'no such parameter')}"
+            )
 
 
 def _microbatches(x: jax.Array, n: int) -> jax.Array:
