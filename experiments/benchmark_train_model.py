@@ -9,9 +9,15 @@ a fresh AdamW state, and each steps its own state chain on the same batch, in ro
 sparse kernels (`TrainState.use_sparse`), as a run past its first recheck would be;
 its l0-cutoff switch keeps running.
 
-The optimizer is the paper recipe, whose learning rate warms up from 0 over 600 steps,
-so the dozen or so timed steps barely move the weights; each record gives l0 at the
-first and the last step of both chains, so a drift in sparsity would show.
+The weights must stay at the calibrated sparsity while the steps are timed. A fresh
+AdamW's first updates are sign-like (m / sqrt(v) = +-1 per element) and move every
+gate pre-activation coherently: at the paper's learning rate, warming up from 0, l0
+went from 26 to ~110 within 10 steps on the H200 and the sparse step spilled into its
+tail buckets and dense fallbacks. So the optimizer runs at lr = 1e-12: each update is
+far below the fp32 master weights' rounding step (~2e-9 at 0.02) and rounds away
+(only weights that are exactly 0 move, by 1e-12 a step), while the step still computes
+everything a real step does (clipping, moments, decay, the update). Each record gives
+l0 at the first and the last step of both chains.
 
 One step is one micro-batch of `batch` x `seq` tokens (the paper's per-GPU micro-batch
 is 8 x 2048, with gradient checkpointing, as in the presets).
@@ -28,9 +34,11 @@ import numpy as np
 from experiments import bench_util as bu
 from experiments import benchmark_model
 from twell_jax import train
-from twell_jax.config import SparsityConfig, TrainConfig, model_preset
+from twell_jax.config import OptimConfig, SparsityConfig, TrainConfig, model_preset
 
 IMPLS = ("dense", "sparse")
+# Small enough that AdamW's updates round away in the fp32 weights (module docstring).
+FROZEN_LR = 1e-12
 
 
 def _train_config(preset: str, impl: str, batch: int, seq: int, l1_coef: float) -> TrainConfig:
@@ -38,6 +46,7 @@ def _train_config(preset: str, impl: str, batch: int, seq: int, l1_coef: float) 
         model=model_preset(preset, ffn_impl=impl, seq_len=seq),
         batch_size=batch,
         sparsity=SparsityConfig(l1_coef=l1_coef),
+        optim=OptimConfig(lr=FROZEN_LR, warmup_steps=0),
     )
 
 

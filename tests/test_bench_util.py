@@ -85,7 +85,8 @@ def test_train_model_benchmark_runs_on_cpu():
     assert rec["first_grad_norm_sparse"] == pytest.approx(rec["first_grad_norm_dense"], rel=1e-2)
     for impl in ("dense", "sparse"):
         assert 10 < rec[f"{impl}_l0_first"] < 30
-        assert rec[f"{impl}_l0_last"] == pytest.approx(rec[f"{impl}_l0_first"], rel=0.1)
+        # lr 1e-12: the weights, and so the sparsity, stay where they were calibrated
+        assert rec[f"{impl}_l0_last"] == pytest.approx(rec[f"{impl}_l0_first"], rel=1e-3)
     assert rec["sparse_layers_last"] == 4  # the tiny preset's layers, all sparse
     assert rec["dense_fallback_total"] == 0
     assert rec["speedup"] == pytest.approx(rec["dense_ms"] / rec["sparse_ms"])
