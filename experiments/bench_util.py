@@ -129,6 +129,20 @@ def time_steps_interleaved(
     return _rotation_summary(times), states, auxes
 
 
+def compiled_memory(lowered) -> dict:
+    """XLA's sizes of a lowered function once compiled: {"temp_bytes", "output_bytes",
+    "argument_bytes"}, or {"memory_analysis_error"} on backends without the analysis."""
+    try:
+        ma = lowered.compile().memory_analysis()
+        return {
+            "temp_bytes": int(ma.temp_size_in_bytes),
+            "output_bytes": int(ma.output_size_in_bytes),
+            "argument_bytes": int(ma.argument_size_in_bytes),
+        }
+    except Exception as e:  # backends without memory_analysis
+        return {"memory_analysis_error": repr(e)}
+
+
 def gate_threshold(nnz_per_row: float, n: int, h: int, x_std: float, w_std: float) -> float:
     """Bias that leaves about `nnz_per_row` of N gate pre-activations positive.
 

@@ -77,17 +77,7 @@ def _peak_bytes() -> int | None:
 
 def _memory(fn, args) -> dict:
     """Compiled sizes and the peak growth over the first call of `fn`."""
-    compiled = fn.lower(*args).compile()
-    out = {}
-    try:
-        ma = compiled.memory_analysis()
-        out = {
-            "temp_bytes": int(ma.temp_size_in_bytes),
-            "output_bytes": int(ma.output_size_in_bytes),
-            "argument_bytes": int(ma.argument_size_in_bytes),
-        }
-    except Exception as e:  # backends without memory_analysis
-        out["memory_analysis_error"] = repr(e)
+    out = bu.compiled_memory(fn.lower(*args))
     before = _peak_bytes()
     jax.block_until_ready(fn(*args))
     after = _peak_bytes()

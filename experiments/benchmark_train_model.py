@@ -126,9 +126,12 @@ def run(
                 state = dataclasses.replace(state, use_sparse=on)
             steps[impl], states[impl] = train.make_train_step(cfg, mesh), state
         del params
-        vocab = cfg.model.vocab_size
+        tokens = _batch(cfg.model.vocab_size, batch, seq, mesh)
+        memory = {
+            impl: bu.compiled_memory(steps[impl].lower(states[impl], tokens)) for impl in IMPLS
+        }
         timing, states, metrics = bu.time_steps_interleaved(
-            steps, states, _batch(vocab, batch, seq, mesh), warmup=warmup, reps=reps
+            steps, states, tokens, warmup=warmup, reps=reps
         )
         del states
         records.append(
@@ -140,6 +143,7 @@ def run(
                 "l1_coef": l1_coef,
                 "calibration_l0_mean": float(calib_l0.mean()),
                 **_record(metrics, timing, batch * seq),
+                **{f"{impl}_memory": memory[impl] for impl in IMPLS},
             }
         )
         print(records[-1], flush=True)

@@ -85,11 +85,17 @@ def model_table(res: dict) -> str:
     return head + "\n".join(rows)
 
 
+def _temp_gb(case: dict) -> str:
+    """XLA temp memory of the two steps, or "-" for records without it."""
+    mem = [case.get(f"{impl}_memory", {}).get("temp_bytes") for impl in ("sparse", "dense")]
+    return "-" if None in mem else " / ".join(f"{b / 1e9:.1f}" for b in mem)
+
+
 def train_model_table(res: dict) -> str:
     head = (
         "| model | tokens/step | l0 dense / sparse (first -> last step) | dense tokens/ms "
-        "| sparse tokens/ms | change | first loss dense / sparse | tail rows, fallbacks |\n"
-        "|---|---|---|---|---|---|---|---|\n"
+        "| sparse tokens/ms | change | first loss dense / sparse | tail rows, fallbacks "
+        "| temp GB sparse / dense |\n|---|---|---|---|---|---|---|---|---|\n"
     )
     rows = [
         f"| {c['preset']} | {c['tokens']} | {c['dense_l0_first']:.1f} -> "
@@ -97,7 +103,7 @@ def train_model_table(res: dict) -> str:
         f"{c['dense_tokens_per_ms']:.1f} | {c['sparse_tokens_per_ms']:.1f} | "
         f"**{100 * (c['speedup'] - 1):+.1f}%** | "
         f"{c['first_loss_dense']:.4f} / {c['first_loss_sparse']:.4f} | "
-        f"{c['tail_rows_total']}, {c['dense_fallback_total']} |"
+        f"{c['tail_rows_total']}, {c['dense_fallback_total']} | {_temp_gb(c)} |"
         for c in res["cases"]
     ]
     return head + "\n".join(rows)

@@ -90,6 +90,11 @@ def test_train_model_benchmark_runs_on_cpu():
     assert rec["sparse_layers_last"] == 4  # the tiny preset's layers, all sparse
     assert rec["dense_fallback_total"] == 0
     assert rec["speedup"] == pytest.approx(rec["dense_ms"] / rec["sparse_ms"])
+    for impl in ("dense", "sparse"):  # XLA's compiled sizes of each step
+        assert rec[f"{impl}_memory"]["temp_bytes"] > 0
+        assert rec[f"{impl}_memory"]["argument_bytes"] > rec["tokens"] * 8  # state + batch
+    table = results_table.train_model_table({"cases": [rec]})
+    assert "| tiny | 256 |" in table and table.count("\n") == 2
 
 
 def test_time_fn_reports_per_call_time_of_inner_batches():

@@ -272,12 +272,21 @@ def _microbatches(x: jax.Array, n: int) -> jax.Array:
 
 
 def _with_mesh(fn: Callable, mesh: Mesh) -> Callable:
-    """Calls `fn` with `mesh` set, so the model's sharding constraints see it."""
+    """Calls the jitted `fn` with `mesh` set, so the model's sharding constraints see it.
+
+    The wrapper's `.lower(*args)` lowers `fn` under the mesh too (for
+    `.compile().memory_analysis()`, say).
+    """
 
     def wrapped(*args):
         with jax.set_mesh(mesh):
             return fn(*args)
 
+    def lower(*args):
+        with jax.set_mesh(mesh):
+            return fn.lower(*args)
+
+    wrapped.lower = lower
     return wrapped
 
 
