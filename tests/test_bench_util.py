@@ -1,6 +1,7 @@
 """The benchmarks' timers (rotation order, per-function stats, round ratios) and the
 results-table printer's refusal of files that are not benchmark outputs."""
 
+import json
 import pathlib
 import subprocess
 import sys
@@ -72,14 +73,23 @@ def test_time_steps_interleaved_carries_each_state_chain():
     assert timing["ratios"]["slow/fast"] == pytest.approx(4.0, rel=0.5)
 
 
-def test_train_model_benchmark_runs_on_cpu():
+def test_train_model_benchmark_cli_on_cpu(tmp_path):
     """--mode=train_model on the tiny preset: same start, same first loss, l0 on target."""
-    from experiments import benchmark_train_model
-
-    (rec,) = benchmark_train_model.run(
-        presets=("tiny",), nnz=20.0, batch=2, seq=128, reps=2, warmup=1
+    out = tmp_path / "train_model.json"
+    flags = "--model_presets=tiny --model_nnz=20 --train_model_batch=2 --model_seq=128 --reps=2"
+    args = ["-m", "experiments.benchmark", "--mode=train_model", *flags.split(), f"--out={out}"]
+    run = subprocess.run(
+        [sys.executable, *args],
+        cwd=pathlib.Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        check=False,
     )
-    assert rec["calls_per_chain"] == 3 and rec["reps"] == 2 and rec["tokens"] == 256
+    assert run.returncode == 0, run.stderr[-3000:]
+    res = json.loads(out.read_text())
+    (rec,) = res["cases"]
+    assert res["mode"] == "train_model" and rec["preset"] == "tiny"
+    assert rec["calls_per_chain"] == 4 and rec["reps"] == 2 and rec["tokens"] == 256
     # Same weights and batch: only the kernels' rounding separates the first losses.
     assert rec["first_loss_sparse"] == pytest.approx(rec["first_loss_dense"], rel=1e-3)
     assert rec["first_grad_norm_sparse"] == pytest.approx(rec["first_grad_norm_dense"], rel=1e-2)
@@ -87,13 +97,12 @@ def test_train_model_benchmark_runs_on_cpu():
         assert 10 < rec[f"{impl}_l0_first"] < 30
         # lr 1e-12: the weights, and so the sparsity, stay where they were calibrated
         assert rec[f"{impl}_l0_last"] == pytest.approx(rec[f"{impl}_l0_first"], rel=1e-3)
+        assert rec[f"{impl}_memory"]["temp_bytes"] > 0  # XLA's compiled sizes of each step
+        assert rec[f"{impl}_memory"]["argument_bytes"] > rec["tokens"] * 8  # state + batch
     assert rec["sparse_layers_last"] == 4  # the tiny preset's layers, all sparse
     assert rec["dense_fallback_total"] == 0
     assert rec["speedup"] == pytest.approx(rec["dense_ms"] / rec["sparse_ms"])
-    for impl in ("dense", "sparse"):  # XLA's compiled sizes of each step
-        assert rec[f"{impl}_memory"]["temp_bytes"] > 0
-        assert rec[f"{impl}_memory"]["argument_bytes"] > rec["tokens"] * 8  # state + batch
-    table = results_table.train_model_table({"cases": [rec]})
+    table = results_table.train_model_table(res)
     assert "| tiny | 256 |" in table and table.count("\n") == 2
 
 
