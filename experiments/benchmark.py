@@ -52,6 +52,11 @@ flags.DEFINE_integer("model_seq", 2048, "Sequence length of --mode=model.")
 flags.DEFINE_integer(
     "train_model_batch", 8, "Sequences per step of --mode=train_model (one micro-batch)."
 )
+flags.DEFINE_list(
+    "train_model_set",
+    [],
+    "key=value ModelConfig overrides of --mode=train_model, e.g. sparse_ell_width=64.",
+)
 flags.DEFINE_list("model_compressions", ["2", "8"], "TwELL compressions C of --mode=model.")
 flags.DEFINE_list(
     "model_workdirs",
@@ -366,6 +371,7 @@ def main(argv):
             batch=FLAGS.train_model_batch,
             seq=FLAGS.model_seq,
             reps=FLAGS.reps,
+            model_overrides=dict(kv.split("=", 1) for kv in FLAGS.train_model_set),
         )
     elif FLAGS.mode == "train_tune":
         result["tune"] = benchmark_train.tune(M=FLAGS.train_tokens, H=h, N=n)

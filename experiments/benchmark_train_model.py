@@ -34,16 +34,25 @@ import numpy as np
 from experiments import bench_util as bu
 from experiments import benchmark_model
 from twell_jax import train
-from twell_jax.config import OptimConfig, SparsityConfig, TrainConfig, model_preset
+from twell_jax.config import (
+    OptimConfig,
+    SparsityConfig,
+    TrainConfig,
+    model_preset,
+    with_overrides,
+)
 
 IMPLS = ("dense", "sparse")
 # Small enough that AdamW's updates round away in the fp32 weights (module docstring).
 FROZEN_LR = 1e-12
 
 
-def _train_config(preset: str, impl: str, batch: int, seq: int, l1_coef: float) -> TrainConfig:
+def _train_config(
+    preset: str, impl: str, batch: int, seq: int, l1_coef: float, model_overrides: dict
+) -> TrainConfig:
+    model = with_overrides(model_preset(preset, ffn_impl=impl, seq_len=seq), model_overrides)
     return TrainConfig(
-        model=model_preset(preset, ffn_impl=impl, seq_len=seq),
+        model=model,
         batch_size=batch,
         sparsity=SparsityConfig(l1_coef=l1_coef),
         optim=OptimConfig(lr=FROZEN_LR, warmup_steps=0),
@@ -98,6 +107,7 @@ def run(
     reps: int = 10,
     warmup: int = 2,
     l1_coef: float = 2e-5,
+    model_overrides: dict | None = None,
 ) -> list[dict]:
     """Training-step tokens/ms of each preset, dense and sparse FFNs, same start.
 
@@ -107,6 +117,8 @@ def run(
       batch, seq: sequences and tokens per sequence of each step (one micro-batch).
       reps: timed rounds (one step of each chain per round) after `warmup` rounds.
       l1_coef: lambda of the L1 activation term (both chains compute it).
+      model_overrides: ModelConfig field -> value (strings are parsed) for both
+        chains, e.g. {"sparse_ell_width": "64"}.
 
     Returns:
       one record per preset (see `_record`), also printed as it completes.
@@ -119,7 +131,7 @@ def run(
         )
         steps, states = {}, {}
         for impl in IMPLS:
-            cfg = _train_config(preset, impl, batch, seq, l1_coef)
+            cfg = _train_config(preset, impl, batch, seq, l1_coef, model_overrides or {})
             state = train.train_state_from_params(cfg, mesh, params)
             if impl == "sparse":
                 on = jax.device_put(jnp.ones_like(state.use_sparse), state.use_sparse.sharding)
@@ -141,6 +153,7 @@ def run(
                 "seq": seq,
                 "target_nnz": nnz,
                 "l1_coef": l1_coef,
+                "model_overrides": dict(model_overrides or {}),
                 "calibration_l0_mean": float(calib_l0.mean()),
                 **_record(metrics, timing, batch * seq),
                 **{f"{impl}_memory": memory[impl] for impl in IMPLS},

@@ -77,6 +77,7 @@ def test_train_model_benchmark_cli_on_cpu(tmp_path):
     """--mode=train_model on the tiny preset: same start, same first loss, l0 on target."""
     out = tmp_path / "train_model.json"
     flags = "--model_presets=tiny --model_nnz=20 --train_model_batch=2 --model_seq=128 --reps=2"
+    flags += " --train_model_set=sparse_ell_width=32"
     args = ["-m", "experiments.benchmark", "--mode=train_model", *flags.split(), f"--out={out}"]
     run = subprocess.run(
         [sys.executable, *args],
@@ -89,6 +90,7 @@ def test_train_model_benchmark_cli_on_cpu(tmp_path):
     res = json.loads(out.read_text())
     (rec,) = res["cases"]
     assert res["mode"] == "train_model" and rec["preset"] == "tiny"
+    assert rec["model_overrides"] == {"sparse_ell_width": "32"}
     assert rec["calls_per_chain"] == 4 and rec["reps"] == 2 and rec["tokens"] == 256
     # Same weights and batch: only the kernels' rounding separates the first losses.
     assert rec["first_loss_sparse"] == pytest.approx(rec["first_loss_dense"], rel=1e-3)

@@ -103,10 +103,14 @@ def test_twell_matches_dense(variant):
     assert stats["l0"].shape == stats["overflow_tiles"].shape == (dense.n_layers,)
 
 
-def _dense_stand_in(x, w_gate, w_up, w_down):
+def _dense_stand_in(x, w_gate, w_up, w_down, *, config):
     """A differentiable stand-in for the sparse training op, scaled to be recognisable."""
+    _STAND_IN_CONFIGS.append(config)
     out, stats = M._ffn_dense_counted(x, {"w_gate": w_gate, "w_up": w_up, "w_down": w_down})
     return 2 * out, stats
+
+
+_STAND_IN_CONFIGS = []
 
 
 def test_sparse_switch_selects_layers(monkeypatch):
@@ -121,6 +125,18 @@ def test_sparse_switch_selects_layers(monkeypatch):
     np.testing.assert_array_equal(dense, want)
     # The stand-in doubles the FFN output, so any sparse layer changes the result.
     assert not np.allclose(run(params, jnp.array([False, True])), want)
+
+
+def test_sparse_ell_width_reaches_the_op(monkeypatch):
+    monkeypatch.setattr(pallas_kernels, "sparse_gated_mlp_train", _dense_stand_in, raising=False)
+    _STAND_IN_CONFIGS.clear()
+    for width in (128, 16):
+        cfg = small_model(ffn_impl="sparse", sparse_ell_width=width)
+        body = lambda p, t, g=train.model_graphdef(cfg): nnx.merge(g, p).body(t)
+        jax.eval_shape(body, init_params(cfg), tokens(cfg))
+    assert [c.ell_width for c in _STAND_IN_CONFIGS] == [128, 16]
+    with pytest.raises(ValueError, match="sparse_ell_width=48: must be a power of two >= 4"):
+        small_model(sparse_ell_width=48)
 
 
 @pytest.mark.gpu

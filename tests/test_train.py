@@ -153,7 +153,7 @@ _SHARDED = textwrap.dedent("""
 
     # Kernel FFNs run per batch shard: a dense stand-in for the sparse op must give the
     # dense model's outputs and statistics, with counters summed over the 8 shards.
-    def stand_in(x, w_gate, w_up, w_down):
+    def stand_in(x, w_gate, w_up, w_down, *, config):
         out, stats = M._ffn_dense_counted(x, {"w_gate": w_gate, "w_up": w_up, "w_down": w_down})
         return out, {**stats, "tail_rows": jnp.ones((), jnp.int32)}
 

@@ -59,6 +59,10 @@ class ModelConfig:
       ffn_impl: "dense" (XLA, exact stats), "twell" (Pallas TwELL inference, no
         gradient) or "sparse" (Pallas sparse training kernels, gated_relu only).
       twell_compression: C of the TwELL format, in {2, 4, 8}.
+      sparse_ell_width: W of the sparse training op's ELL rows (ffn_impl="sparse"): a
+        token with more positive gate entries in a layer goes to the dense tail. The
+        ELL residuals the remat policy keeps for the backward take 10 W bytes per token
+        per layer (21 MB at W=128 and 16384 tokens); a power of two >= 4.
       dtype: compute dtype name.
       param_dtype: master parameter dtype name.
       remat: rematerialise every layer in the backward pass.
@@ -79,6 +83,7 @@ class ModelConfig:
     # C=2 measured fastest in the 1.5B/2B body on the H200 (results/model_h200*.json):
     # it never overflows at ~29 nnz, where C=8 recomputes 0.04% of (token, tile) pairs.
     twell_compression: int = 2
+    sparse_ell_width: int = 128
     dtype: str = "bfloat16"
     param_dtype: str = "float32"
     remat: bool = False
@@ -106,6 +111,11 @@ class ModelConfig:
         _require(self, "param_dtype", self.param_dtype in DTYPES, f"must be one of {DTYPES}")
         _require(
             self, "twell_compression", self.twell_compression in (2, 4, 8), "must be 2, 4 or 8"
+        )
+        w = self.sparse_ell_width
+        # >= 4: the sparse op's row kernels gather up to 4 ELL slots per step.
+        _require(
+            self, "sparse_ell_width", w >= 4 and not w & (w - 1), "must be a power of two >= 4"
         )
         if self.ffn_impl != "dense":
             kernels = f"with ffn_impl={self.ffn_impl!r}"

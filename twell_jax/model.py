@@ -193,14 +193,17 @@ def _ffn_twell(x: jax.Array, w: dict[str, jax.Array], compression: int) -> tuple
 SPARSE_COUNTERS = ("tail_rows", "dense_fallback")
 
 
-def _ffn_sparse(x: jax.Array, w: dict[str, jax.Array]) -> tuple[jax.Array, Stats]:
+def _ffn_sparse(x: jax.Array, w: dict[str, jax.Array], ell_width: int) -> tuple[jax.Array, Stats]:
     """Sparse training kernels (gated ReLU), same outputs as `_ffn_dense_counted`.
 
     The L1 gradient reaches the kernels through the cotangent of the differentiable
     `stats["l1"]` (training spec §3: c = g_l1 / M), exactly as on the dense path, so
     the op's own `l1_coef` stays 0.
     """
-    out, stats = pallas_kernels.sparse_gated_mlp_train(x, w["w_gate"], w["w_up"], w["w_down"])
+    config = pallas_kernels.SparseTrainConfig(ell_width=ell_width)
+    out, stats = pallas_kernels.sparse_gated_mlp_train(
+        x, w["w_gate"], w["w_up"], w["w_down"], config=config
+    )
     # lax.cond with the dense branch needs identical structures and dtypes.
     return out.astype(x.dtype), {
         "l1": stats["l1"].astype(jnp.float32),
@@ -280,7 +283,8 @@ class FeedForward(nnx.Module):
             twell = lambda x, w: _ffn_twell(x, w, cfg.twell_compression)
             return _per_batch_shard(twell)(x, w)
         if cfg.ffn_impl == "sparse":
-            return jax.lax.cond(use_sparse, _per_batch_shard(_ffn_sparse), _ffn_dense_counted, x, w)
+            sparse = lambda x, w: _ffn_sparse(x, w, cfg.sparse_ell_width)
+            return jax.lax.cond(use_sparse, _per_batch_shard(sparse), _ffn_dense_counted, x, w)
         return _ffn_dense(x, w, cfg.ffn_variant)
 
 
