@@ -64,19 +64,29 @@ def time_interleaved(fns: dict, *args, warmup: int = 3, reps: int = 15, inner: i
       "ratios": "<a>/<b>" -> median over rounds of time(a) / time(b) for every ordered
       pair (a, b) with a listed first.
     """
-    names = list(fns)
+
+    def timed(name):
+        start = time.perf_counter()
+        for _ in range(inner):
+            out = fns[name](*args)
+        jax.block_until_ready(out)
+        return (time.perf_counter() - start) * 1e3 / inner
+
+    warm = lambda name: jax.block_until_ready(fns[name](*args))
+    return _rotation_summary(_rotate(list(fns), warm, timed, warmup, reps))
+
+
+def _rotate(names: list[str], warm, timed, warmup: int, reps: int) -> dict[str, list[float]]:
+    """`warmup` rounds of `warm(name)`, then `reps` rounds of `timed(name) -> ms`, each
+    round over all names, every other round in reverse order; name -> the reps times."""
     for _ in range(warmup):
         for name in names:
-            jax.block_until_ready(fns[name](*args))
+            warm(name)
     times = {name: [] for name in names}
     for rep in range(reps):
         for name in names if rep % 2 == 0 else names[::-1]:
-            start = time.perf_counter()
-            for _ in range(inner):
-                out = fns[name](*args)
-            jax.block_until_ready(out)
-            times[name].append((time.perf_counter() - start) * 1e3 / inner)
-    return _rotation_summary(times)
+            times[name].append(timed(name))
+    return times
 
 
 def _rotation_summary(times: dict[str, list[float]]) -> dict:
@@ -108,9 +118,8 @@ def time_steps_interleaved(
       (timing as `time_interleaved` returns it, name -> final state, name -> list of
       the aux outputs of every call, warm-up first).
     """
-    names = list(steps)
     states = dict(states)
-    auxes = {name: [] for name in names}
+    auxes = {name: [] for name in steps}
 
     def call(name):
         start = time.perf_counter()
@@ -119,13 +128,7 @@ def time_steps_interleaved(
         auxes[name].append(aux)
         return (time.perf_counter() - start) * 1e3
 
-    for _ in range(warmup):
-        for name in names:
-            call(name)
-    times = {name: [] for name in names}
-    for rep in range(reps):
-        for name in names if rep % 2 == 0 else names[::-1]:
-            times[name].append(call(name))
+    times = _rotate(list(steps), call, call, warmup, reps)
     return _rotation_summary(times), states, auxes
 
 

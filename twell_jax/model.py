@@ -312,8 +312,7 @@ def _remat_policy(cfg: ModelConfig) -> Callable | None:
     §6.5) rather than recompute them; recompute everything on the other paths."""
     if cfg.ffn_impl != "sparse":
         return None
-    name = getattr(pallas_kernels, "RESIDUALS_NAME", None)
-    return None if name is None else jax.checkpoint_policies.save_only_these_names(name)
+    return jax.checkpoint_policies.save_only_these_names(pallas_kernels.RESIDUALS_NAME)
 
 
 class Transformer(nnx.Module):

@@ -217,7 +217,8 @@ def create_train_state(cfg: TrainConfig, mesh: Mesh, rng: jax.Array | None = Non
     """
     rng = jax.random.key(cfg.seed) if rng is None else rng
     params = _params_initializer(cfg.model, mesh)(rng)
-    return train_state_from_params(cfg, mesh, params, donate=True)
+    # The initializer's own tree: no shape check, and its buffers can be reused.
+    return _complete_state(cfg, mesh, params, donate=True)
 
 
 def train_state_from_params(
@@ -236,6 +237,11 @@ def train_state_from_params(
       ValueError: `params` differs from the model's parameter tree or shapes.
     """
     _check_param_shapes(params, _abstract_state(cfg).params)
+    return _complete_state(cfg, mesh, params, donate)
+
+
+def _complete_state(cfg: TrainConfig, mesh: Mesh, params: Params, donate: bool) -> TrainState:
+    """`_state_from_params` jitted into the state's shardings, params cast to fp32."""
     complete = jax.jit(
         lambda p: _state_from_params(cfg, jax.tree.map(lambda a: a.astype(jnp.float32), p)),
         out_shardings=train_state_shardings(cfg, mesh),
