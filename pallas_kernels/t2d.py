@@ -46,25 +46,10 @@ from jax import lax
 
 from pallas_kernels import _triton as tr
 from pallas_kernels import twell_format as fmt
+from pallas_kernels._gather import RowLaunch
 
 MAX_CHUNK = 2048
 _F32 = jnp.float32
-
-
-@dataclasses.dataclass(frozen=True)
-class RowLaunch:
-    """Launch of one row kernel.
-
-    group: entries gathered per loop step (a power of two): several independent row
-      gathers in flight per program hide L2 latency.
-    num_warps: warps per program.
-    block_h: width of one gathered piece of a weight row (a power of two; capped at
-      the largest power of two dividing H). The SpMM runs one program per block.
-    """
-
-    group: int
-    num_warps: int
-    block_h: int
 
 
 @dataclasses.dataclass(frozen=True)
