@@ -5,11 +5,12 @@ ELL + dense tail) and its remat residual name; the kernels and formats live in t
 """
 
 from pallas_kernels.d2t import D2TConfig
-from pallas_kernels.ops import TwellStats, twell_gated_mlp, twell_mlp
+from pallas_kernels.ops import TwellStats, twell_gated_mlp, twell_mlp, twell_supported
 from pallas_kernels.sparse_train_op import (
     RESIDUALS_NAME,
     SparseTrainConfig,
     sparse_gated_mlp_train,
+    sparse_train_supported,
 )
 from pallas_kernels.t2d import T2DConfig
 from pallas_kernels.twell_pack import PackConfig
@@ -22,6 +23,8 @@ __all__ = [
     "T2DConfig",
     "TwellStats",
     "sparse_gated_mlp_train",
+    "sparse_train_supported",
     "twell_gated_mlp",
     "twell_mlp",
+    "twell_supported",
 ]

@@ -91,9 +91,20 @@ def _check_inputs(x: jax.Array, weights: tuple[jax.Array, ...], opts: TwellOptio
             )
         if w.dtype != jnp.bfloat16:
             raise ValueError(f"{name} must be bfloat16, got {w.dtype}")
-    fmt.check_format(n, opts.compression)
+    reason = twell_supported(h, n, opts.compression)
+    if reason:
+        raise ValueError(reason)
+
+
+def twell_supported(h: int, n: int, compression: int = 8) -> str | None:
+    """Why the TwELL ops cannot run d_model H, d_ff N and compression C, or None."""
+    try:
+        fmt.check_format(n, compression)
+    except ValueError as e:
+        return str(e)
     if h % 64:
-        raise ValueError(f"d_model H={h} must be a multiple of 64")
+        return f"d_model H={h} must be a multiple of 64"
+    return None
 
 
 def _sparse_forward(x, weights, opts: TwellOptions):
