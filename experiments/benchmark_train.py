@@ -107,8 +107,6 @@ def _breakdown(
     spmm_dx = jax.jit(
         lambda a, b, w1, w2, c, cols: st.spmm_rows(((a, w1), (b, w2)), c, cols, **kw["spmm_dx"])
     )
-    rows_fwd = jax.jit(functools.partial(st.gated_rows_fwd, **kw["gated_rows_fwd"]))
-    rows_bwd = jax.jit(functools.partial(st.gated_rows_bwd, **kw["gated_rows_bwd"]))
 
     def index(c, cols, col_counts, dr, du, t):
         csc = hf.build_csc(c, cols, col_counts)
@@ -124,8 +122,6 @@ def _breakdown(
         "spmm_down": (spmm_down, (t, wd, cnt, ell.cols)),
         "sddmm_grad": (sddmm_grad, (g, wd, cnt, ell.cols, ell.vals, r, t, scale)),
         "spmm_dx": (spmm_dx, (dr, du, wu, wg, cnt, ell.cols)),
-        "gated_rows_fwd": (rows_fwd, (x, wu, wd, cnt, ell.cols, ell.vals)),
-        "gated_rows_bwd": (rows_bwd, (g, wd, wu, wg, cnt, ell.cols, ell.vals, r, t, scale)),
         "csc_index": (index, (cnt, ell.cols, ell.col_counts, dr, du, t)),
         "spmm_csc": (csc, (offsets, *entries, x, g)),
     }
@@ -268,12 +264,8 @@ def run(
         if breakdown:
             parts = _breakdown(*args, config=config, samples=max(reps // 2, 3))
             rec["breakdown_ms"] = parts
-            # Stages of one step (fused or separate row kernels, as configured); the rest
-            # of the step is XLA glue, conditionals and launch gaps.
-            fwd = ("gated_rows_fwd",) if config.fuse_fwd_rows else ("sddmm_up", "spmm_down")
-            bwd = ("gated_rows_bwd",) if config.fuse_bwd_rows else ("sddmm_grad", "spmm_dx")
-            used = ("gate_gemm", "compact", *fwd, *bwd, "csc_index", "spmm_csc")
-            rec["breakdown_sum_ms"] = sum(parts[k] for k in used)
+            # The rest of the step is XLA glue, conditionals and launch gaps.
+            rec["breakdown_sum_ms"] = sum(parts.values())
         records.append(rec)
         del args, grads_s, grads_d
     return records

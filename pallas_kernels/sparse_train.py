@@ -11,10 +11,6 @@ and tests, not for production shapes):
   (forward T Wd; backward dR Wu + dU Wg in one fp32 accumulator).
 - `sddmm_grad`: dT = gO Wd^T sampled on the pattern + l1_scale * sign(T);
   dR = dT * P, dU = dT * R.
-- `gated_rows_fwd` / `gated_rows_bwd`: `sddmm_up` + `spmm_rows` and `sddmm_grad` +
-  `spmm_rows` fused per row (one launch and one pass over the row's entries instead
-  of two, as GatedT2D does for inference; off by default: the backward's three
-  gathered weights exceed the H200's L2).
 - `spmm_csc`: per neuron, dWu = dR^T x, dWg = dU^T x, dWd = T^T gO over the CSC
   index of `hybrid_format.build_csc` (values copied into CSC order by
   `csc_entries`: reading them through the slots inside the kernel made it 20% slower
@@ -64,7 +60,7 @@ def _check_blocks(name: str, h: int, block_h: int, chunk: int) -> None:
 
 def _compact_kernel(
     p_ref, offsets_ref, totals_ref, cols_ref, vals_ref, col_ref,
-    *, m, width, block_rows, block_cols, tiles, method,
+    *, m, width, block_rows, block_cols, tiles,
 ):  # fmt: skip
     """Program (t, i) packs rows i*BR.. within the column tile t*BC.. .
 
@@ -88,25 +84,18 @@ def _compact_kernel(
     tile_ids = jnp.full((block_rows,), t, _I32)
     base = _triton.load(offsets_ref.at[rows, tile_ids], mask=row_ok, other=0)
     total = _triton.load(totals_ref.at[rows], mask=row_ok, other=0)
-    if method == "select":
-        count = jnp.sum(pos.astype(_I32), axis=1)
-        room = jnp.maximum(width - base, 0)
+    count = jnp.sum(pos.astype(_I32), axis=1)
+    room = jnp.maximum(width - base, 0)
 
-        def store_round(k, key):
-            slot = base + k
-            ok = (key != ts.NO_ENTRY) & (slot < width)
-            slot = jnp.where(ok, slot, width)  # masked lanes: an out-of-range slot
-            _triton.store(cols_ref.at[rows, slot], t * block_cols + ts.key_lane(key), mask=ok)
-            _triton.store(vals_ref.at[rows, slot], ts.key_value(key, p, lane), mask=ok)
+    def store_round(k, key):
+        slot = base + k
+        ok = (key != ts.NO_ENTRY) & (slot < width)
+        slot = jnp.where(ok, slot, width)  # masked lanes: an out-of-range slot
+        _triton.store(cols_ref.at[rows, slot], t * block_cols + ts.key_lane(key), mask=ok)
+        _triton.store(vals_ref.at[rows, slot], ts.key_value(key, p, lane), mask=ok)
 
-        keys = ts.entry_keys(p, pos, lane)
-        ts.for_each_entry(keys, jnp.max(jnp.minimum(count, room)), store_round)
-    else:  # scatter the whole tile at slot = offset + in-tile prefix count
-        slot = base[:, None] + jnp.cumsum(pos.astype(_I32), axis=1) - 1
-        ok = pos & (slot < width)
-        slot = jnp.where(ok, slot, width)
-        _triton.store(cols_ref.at[rows_b, slot], col_b, mask=ok)
-        _triton.store(vals_ref.at[rows_b, slot], p, mask=ok)
+    keys = ts.entry_keys(p, pos, lane)
+    ts.for_each_entry(keys, jnp.max(jnp.minimum(count, room)), store_round)
     # One reduction over the block's rows for both per-column numbers.
     in_ell = total <= width
     weight = jnp.where(in_ell, block_rows + 2, block_rows + 1)[:, None]
@@ -123,9 +112,6 @@ def _compact_kernel(
         _triton.store(vals_ref.at[rows_w, s], zeros, mask=unused)
 
 
-COMPACT_METHODS = ("select", "scan")
-
-
 def compact_rows(
     p: jax.Array,
     *,
@@ -134,7 +120,6 @@ def compact_rows(
     block_rows: int = 16,
     block_cols: int = 256,
     num_warps: int = 4,
-    method: str = "select",
     interpret: bool | None = None,
 ) -> tuple[EllRows, jax.Array]:
     """Packs the positive entries of a dense gate [M, N] into ELL rows of width W.
@@ -152,9 +137,6 @@ def compact_rows(
         block_rows, block_cols: rows and columns per program (powers of two; N must
             be a multiple of block_cols).
         num_warps: Triton warps per program.
-        method: "select" (`tile_select`: one reduction and one [block_rows] store per
-            entry of the block's fullest row) or "scan" (a prefix count along the tile,
-            then a scatter of the whole tile).
         interpret: Pallas interpret mode (None: interpret unless on a GPU).
 
     Returns:
@@ -166,8 +148,6 @@ def compact_rows(
     m, n = p.shape
     if n % block_cols or not all(map(_triton.is_pow2, (block_cols, block_rows, width))):
         raise ValueError(f"compact_rows: unsupported N={n}, blocks {block_rows}x{block_cols}")
-    if method not in COMPACT_METHODS:
-        raise ValueError(f"compact_rows: method={method!r} must be one of {COMPACT_METHODS}")
     tiles = n // block_cols
     tile_counts = jnp.sum((p > 0).reshape(m, tiles, block_cols), axis=2, dtype=_I32)
     ends = jnp.cumsum(tile_counts, axis=1, dtype=_I32)
@@ -179,7 +159,6 @@ def compact_rows(
         block_rows=block_rows,
         block_cols=block_cols,
         tiles=tiles,
-        method=method,
     )
     totals = ends[:, -1]
     # (BR + 2) * BR must fit the per-(row block, column) record.
@@ -514,180 +493,6 @@ def sddmm_grad(
         interpret=_triton.resolve_interpret(interpret),
         name="twell_sddmm_grad",
     )(ell_count, cols, p_vals, r_vals, t_vals, g_out, w_down, l1_scale)
-
-
-# --------------------------------------------------------------------------------------
-# Fused row kernels: forward SDDMM + SpMM, backward SDDMM + dx SpMM (one program per row).
-# --------------------------------------------------------------------------------------
-
-
-def _store_row(out_ref, row, acc, block_h):
-    for k, a in enumerate(acc):
-        d = k * block_h + _grid_iota(block_h)
-        _triton.store(out_ref.at[row, d], a.astype(out_ref.dtype), eviction_policy=_STREAM)
-
-
-def _fwd_rows_kernel(
-    count_ref, cols_ref, p_ref, x_ref, wu_ref, wd_ref, r_ref, t_ref, l1_ref, out_ref,
-    *, h, width, chunk, block_h,
-):  # fmt: skip
-    """GatedT2D with its intermediates kept: per chunk of slots, R = x . Wu[j] (stored),
-    T = P R (stored), out += T Wd[j]; the row's x and out stay in registers."""
-    row = _triton.program_id(0, count_ref.shape[0])
-    count = count_ref[row]
-    x = _load_row(x_ref, row, h, block_h)
-
-    def body(c, carry):
-        l1, acc = carry
-        slots, ok = _row_slots(count, c, chunk)
-        cols = _triton.load(cols_ref.at[row, slots], mask=ok, other=0)
-        r = _gather_dot(x, wu_ref, cols, ok, chunk=chunk, block_h=block_h).astype(r_ref.dtype)
-        p = _triton.load(p_ref.at[row, slots], mask=ok, other=0)
-        t = (p.astype(_F32) * r.astype(_F32)).astype(t_ref.dtype)
-        _triton.store(r_ref.at[row, slots], r, mask=ok)
-        _triton.store(t_ref.at[row, slots], t, mask=ok)
-        tf = t.astype(_F32)  # 0 in masked slots (p = 0 there)
-        acc = tuple(
-            a + jnp.sum(tf[:, None] * _gather(wd_ref, cols, ok, k, chunk=chunk, block_h=block_h), 0)
-            for k, a in enumerate(acc)
-        )
-        return l1 + jnp.sum(jnp.abs(tf)), acc
-
-    zeros = tuple(jnp.zeros((block_h,), _F32) for _ in range(h // block_h))
-    n_chunks = (count + chunk - 1) // chunk
-    l1, acc = lax.fori_loop(0, n_chunks, body, (jnp.zeros((), _F32), zeros))
-    _zero_unused((r_ref, t_ref), row, count, width)
-    _triton.store(l1_ref.at[row + _grid_iota(1)], jnp.broadcast_to(l1, (1,)))
-    _store_row(out_ref, row, acc, block_h)
-
-
-def gated_rows_fwd(
-    x: jax.Array,
-    w_up: jax.Array,
-    w_down: jax.Array,
-    ell_count: jax.Array,
-    cols: jax.Array,
-    p_vals: jax.Array,
-    *,
-    impl: str = "pallas",
-    chunk: int = 4,
-    block_h: int = 2048,
-    num_warps: int = 4,
-    num_stages: int = 1,
-    interpret: bool | None = None,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """`sddmm_up` then `spmm_rows(((t, w_down),))` in one kernel.
-
-    Returns:
-        (r_vals, t_vals, l1_rows, out [M, H] in x.dtype), as the two separate calls.
-    """
-    if impl == "xla":
-        r, t, l1_rows = _sddmm_up_xla(x, w_up, ell_count, cols, p_vals)
-        return r, t, l1_rows, _spmm_rows_xla(((t, w_down),), ell_count, cols, x.dtype)
-    m, h = x.shape
-    width = cols.shape[1]
-    _check_blocks("gated_rows_fwd", h, block_h, chunk)
-    kernel = functools.partial(_fwd_rows_kernel, h=h, width=width, chunk=chunk, block_h=block_h)
-    return _triton.pallas_call(
-        kernel,
-        out_shape=(
-            jax.ShapeDtypeStruct((m, width), x.dtype),
-            jax.ShapeDtypeStruct((m, width), x.dtype),
-            jax.ShapeDtypeStruct((m,), _F32),
-            jax.ShapeDtypeStruct((m, h), x.dtype),
-        ),
-        grid=(m,),
-        compiler_params=_triton.compiler_params(num_warps=num_warps, num_stages=num_stages),
-        interpret=_triton.resolve_interpret(interpret),
-        name="twell_gated_rows_fwd",
-    )(ell_count, cols, p_vals, x, w_up, w_down)
-
-
-def _bwd_rows_kernel(
-    count_ref, cols_ref, p_ref, r_ref, t_ref, g_ref, wd_ref, wu_ref, wg_ref, scale_ref,
-    dr_ref, du_ref, dx_ref,
-    *, h, width, chunk, block_h,
-):  # fmt: skip
-    """Per chunk of slots: dT = gO . Wd[j] + scale sign(T); dR = dT P, dU = dT R (stored);
-    dx += dR Wu[j] + dU Wg[j] in one fp32 accumulator held in registers."""
-    row = _triton.program_id(0, count_ref.shape[0])
-    count = count_ref[row]
-    scale = scale_ref[0]
-    g = _load_row(g_ref, row, h, block_h)
-
-    def body(c, acc):
-        slots, ok = _row_slots(count, c, chunk)
-        cols = _triton.load(cols_ref.at[row, slots], mask=ok, other=0)
-        dt = _gather_dot(g, wd_ref, cols, ok, chunk=chunk, block_h=block_h)
-        t = _triton.load(t_ref.at[row, slots], mask=ok, other=0).astype(_F32)
-        dt = dt + scale * jnp.sign(t)
-        p = _triton.load(p_ref.at[row, slots], mask=ok, other=0).astype(_F32)
-        r = _triton.load(r_ref.at[row, slots], mask=ok, other=0).astype(_F32)
-        dr = (dt * p).astype(dr_ref.dtype)
-        du = (dt * r).astype(du_ref.dtype)
-        _triton.store(dr_ref.at[row, slots], dr, mask=ok)
-        _triton.store(du_ref.at[row, slots], du, mask=ok)
-        drf, duf = dr.astype(_F32)[:, None], du.astype(_F32)[:, None]  # 0 in masked slots
-        kw = dict(chunk=chunk, block_h=block_h)
-        return tuple(
-            a
-            + jnp.sum(
-                drf * _gather(wu_ref, cols, ok, k, **kw) + duf * _gather(wg_ref, cols, ok, k, **kw),
-                axis=0,
-            )
-            for k, a in enumerate(acc)
-        )
-
-    zeros = tuple(jnp.zeros((block_h,), _F32) for _ in range(h // block_h))
-    acc = lax.fori_loop(0, (count + chunk - 1) // chunk, body, zeros)
-    _zero_unused((dr_ref, du_ref), row, count, width)
-    _store_row(dx_ref, row, acc, block_h)
-
-
-def gated_rows_bwd(
-    g_out: jax.Array,
-    w_down: jax.Array,
-    w_up: jax.Array,
-    w_gate: jax.Array,
-    ell_count: jax.Array,
-    cols: jax.Array,
-    p_vals: jax.Array,
-    r_vals: jax.Array,
-    t_vals: jax.Array,
-    l1_scale: jax.Array,
-    *,
-    impl: str = "pallas",
-    chunk: int = 4,
-    block_h: int = 2048,
-    num_warps: int = 4,
-    num_stages: int = 1,
-    interpret: bool | None = None,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """`sddmm_grad` then `spmm_rows(((dr, w_up), (du, w_gate)))` in one kernel.
-
-    Returns:
-        (dr_vals, du_vals, dx [M, H] in g_out.dtype), as the two separate calls.
-    """
-    if impl == "xla":
-        dr, du = _sddmm_grad_xla(g_out, w_down, ell_count, cols, p_vals, r_vals, t_vals, l1_scale)
-        dx = _spmm_rows_xla(((dr, w_up), (du, w_gate)), ell_count, cols, g_out.dtype)
-        return dr, du, dx
-    m, h = g_out.shape
-    width = cols.shape[1]
-    _check_blocks("gated_rows_bwd", h, block_h, chunk)
-    kernel = functools.partial(_bwd_rows_kernel, h=h, width=width, chunk=chunk, block_h=block_h)
-    return _triton.pallas_call(
-        kernel,
-        out_shape=(
-            jax.ShapeDtypeStruct((m, width), g_out.dtype),
-            jax.ShapeDtypeStruct((m, width), g_out.dtype),
-            jax.ShapeDtypeStruct((m, h), g_out.dtype),
-        ),
-        grid=(m,),
-        compiler_params=_triton.compiler_params(num_warps=num_warps, num_stages=num_stages),
-        interpret=_triton.resolve_interpret(interpret),
-        name="twell_gated_rows_bwd",
-    )(ell_count, cols, p_vals, r_vals, t_vals, g_out, w_down, w_up, w_gate, l1_scale)
 
 
 # --------------------------------------------------------------------------------------

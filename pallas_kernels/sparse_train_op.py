@@ -6,9 +6,8 @@ forward   U = x Wg^T (dense XLA GEMM, bf16 out) -> Pallas compaction of P = relu
           into ELL rows of width W (true counts kept); rows with more than W positives
           go to a dense tail whose static capacity is picked on the device from a few
           buckets (`lax.switch`); Pallas row kernels compute R = x Wu^T only at P's
-          entries (SDDMM), T = P * R, sum |T| and out = T Wd (SpMM; one fused kernel
-          with `fuse_fwd_rows`); the tail rows run the dense formula (XLA) on a [C, H]
-          gather.
+          entries (SDDMM), T = P * R, sum |T| and out = T Wd (SpMM); the tail rows
+          run the dense formula (XLA) on a [C, H] gather.
 backward  Pallas row kernels: dT = gO Wd^T at the entries + (dL/dl1 / M) sign(T),
           dR = dT P, dU = dT R, then dx = dR Wu + dU Wg (one fp32 accumulator); an XLA
           stable sort builds the neuron-sorted (CSC) index; a Pallas kernel per neuron
@@ -50,7 +49,7 @@ RESIDUALS_NAME = "twell_sparse_residuals"
 
 
 # The row kernels, by the names `row_launch` and the train benchmark use.
-ROW_KERNELS = ("sddmm_up", "spmm_down", "sddmm_grad", "spmm_dx", "gated_rows_fwd", "gated_rows_bwd")
+ROW_KERNELS = ("sddmm_up", "spmm_down", "sddmm_grad", "spmm_dx")
 
 
 def _require_pow2(name: str, v: int) -> None:
@@ -70,8 +69,6 @@ class SparseTrainConfig:
             and tests: it materialises [M, W, H] gathers).
         compact_block_rows, compact_block_cols, compact_num_warps: compaction tile
             (powers of two; one program per tile) and its Triton warps.
-        compact_method: how the compaction writes entries, "select" or "scan"
-            (see `sparse_train.compact_rows`).
         chunk: ELL slots gathered per step of the row kernels (power of two).
         block_h: H columns per program or step of the row kernels (power of two
             dividing H).
@@ -92,12 +89,6 @@ class SparseTrainConfig:
             0.267 -> 0.253, spmm_dx 0.479 -> 0.452 (session 7). One warp per row
             keeps the SDDMMs' per-slot dot product inside a warp (shuffles, no
             shared-memory round trip and barrier per chunk); results/NOTES.md.
-        fuse_fwd_rows, fuse_bwd_rows: one row kernel for the forward (SDDMM + SpMM,
-            Wu and Wd gathered: 46 MB of weights at production shapes) / backward
-            (SDDMM + dx SpMM, Wd, Wu and Wg: 69 MB, more than the H200's L2) instead of
-            two. Off by default: on the H200 at M=16384 and 29 nnz the separate
-            backward kernels take 0.35 + 0.48 ms against 1.09-1.14 ms fused, and the
-            forward ones 0.60 against 0.61-0.66 (results/train_tune_h200.json).
 
     The shared row-kernel launch (chunk / block_h / num_warps) follows the GatedT2D
     kernel tuned on the H200 (one row per program, 4 whole 4 KB weight rows per step,
@@ -110,7 +101,6 @@ class SparseTrainConfig:
     compact_block_rows: int = 16  # H200, M=16384: 0.35 ms (32 rows / 8 warps: 0.37)
     compact_block_cols: int = 256
     compact_num_warps: int = 4
-    compact_method: str = "select"
     fallback_block_rows: int = 2048
     chunk: int = 4
     block_h: int = 2048
@@ -119,8 +109,6 @@ class SparseTrainConfig:
     csc_num_warps: int = 2
     num_warps: int = 4
     num_stages: int = 1
-    fuse_fwd_rows: bool = False
-    fuse_bwd_rows: bool = False
     row_launch: tuple[tuple[str, int, int, int], ...] = (
         ("sddmm_up", 2, 1024, 1),
         ("spmm_down", 4, 512, 1),
@@ -144,10 +132,6 @@ class SparseTrainConfig:
             for name, v in (("chunk", chunk), ("block_h", block_h), ("num_warps", warps)):
                 _require_pow2(f"{name} of {kernel}", v)
             self._require_chunk_fits(chunk)
-        if self.compact_method not in st.COMPACT_METHODS:
-            raise ValueError(
-                f"compact_method must be one of {st.COMPACT_METHODS}, got {self.compact_method!r}"
-            )
         if self.fallback_block_rows < 1:
             raise ValueError(f"fallback_block_rows must be >= 1, got {self.fallback_block_rows}")
 
@@ -163,7 +147,6 @@ class SparseTrainConfig:
             block_rows=self.compact_block_rows,
             block_cols=self.compact_block_cols,
             num_warps=self.compact_num_warps,
-            method=self.compact_method,
         )
 
     def row_kernel_kwargs(self, kernel: str | None = None) -> dict:
@@ -349,19 +332,12 @@ def _forward(static: _Static, x, wg, wu, wd):
     fallback = plan.bucket == len(caps)
 
     def sparse(_):
-        if cfg.fuse_fwd_rows:
-            with jax.named_scope("twell_gated_rows_fwd"):
-                kw = _kernel_kwargs(static, "gated_rows_fwd")
-                r, t, l1_rows, out = st.gated_rows_fwd(
-                    x, wu, wd, ell_count, ell.cols, ell.vals, **kw
-                )
-        else:
-            with jax.named_scope("twell_sddmm_up"):
-                kw = _kernel_kwargs(static, "sddmm_up")
-                r, t, l1_rows = st.sddmm_up(x, wu, ell_count, ell.cols, ell.vals, **kw)
-            with jax.named_scope("twell_spmm_down"):
-                kw = _kernel_kwargs(static, "spmm_down")
-                out = st.spmm_rows(((t, wd),), ell_count, ell.cols, out_dtype=x.dtype, **kw)
+        with jax.named_scope("twell_sddmm_up"):
+            kw = _kernel_kwargs(static, "sddmm_up")
+            r, t, l1_rows = st.sddmm_up(x, wu, ell_count, ell.cols, ell.vals, **kw)
+        with jax.named_scope("twell_spmm_down"):
+            kw = _kernel_kwargs(static, "spmm_down")
+            out = st.spmm_rows(((t, wd),), ell_count, ell.cols, out_dtype=x.dtype, **kw)
         with jax.named_scope("twell_tail_fwd"):
             branches = [functools.partial(_tail_fwd, cap) for cap in caps]
             out_t, l1_t = lax.switch(plan.bucket, branches, x, plan.rows, wg, wu, wd)
@@ -422,17 +398,12 @@ def _op_bwd(static, res, cts):
 
     def sparse(_):
         ell = (ell_count, cols, p_vals, r, t, scale[None])
-        if cfg.fuse_bwd_rows:
-            with jax.named_scope("twell_gated_rows_bwd"):
-                kw = _kernel_kwargs(static, "gated_rows_bwd")
-                dr, du, dx = st.gated_rows_bwd(g_out, wd, wu, wg, *ell, **kw)
-        else:
-            with jax.named_scope("twell_sddmm_grad"):
-                dr, du = st.sddmm_grad(g_out, wd, *ell, **_kernel_kwargs(static, "sddmm_grad"))
-            with jax.named_scope("twell_spmm_dx"):
-                kw = _kernel_kwargs(static, "spmm_dx")
-                terms = ((dr, wu), (du, wg))
-                dx = st.spmm_rows(terms, ell_count, cols, out_dtype=x.dtype, **kw)
+        with jax.named_scope("twell_sddmm_grad"):
+            dr, du = st.sddmm_grad(g_out, wd, *ell, **_kernel_kwargs(static, "sddmm_grad"))
+        with jax.named_scope("twell_spmm_dx"):
+            kw = _kernel_kwargs(static, "spmm_dx")
+            terms = ((dr, wu), (du, wg))
+            dx = st.spmm_rows(terms, ell_count, cols, out_dtype=x.dtype, **kw)
         with jax.named_scope("twell_csc_entries"):
             entries = st.csc_entries(csc, cfg.ell_width, dr, du, t)
         with jax.named_scope("twell_spmm_csc"):

@@ -109,14 +109,13 @@ def _kw(interpret):
 
 
 @pytest.mark.parametrize("interpret", MODES)
-@pytest.mark.parametrize("method", st.COMPACT_METHODS)
 @pytest.mark.parametrize(
     ("block_rows", "block_cols", "dtype"),
     [(16, 128, jnp.bfloat16), (32, 256, jnp.bfloat16), (16, 128, jnp.float32)],
 )
-def test_compact_rows_matches_reference(interpret, method, block_rows, block_cols, dtype):
+def test_compact_rows_matches_reference(interpret, block_rows, block_cols, dtype):
     """Heavy rows past W (true counts kept), empty rows, M not a multiple of the block;
-    fp32 gates take the select method's two-reduction path."""
+    fp32 gates take `tile_select`'s two-reduction path."""
     x, wg, *_ = make_inputs(0, M, H, N, 8, heavy=(3, 30), zero=(0, 39))
     u = jnp.einsum("mh,nh->mn", x, wg, preferred_element_type=dtype)  # pre-relu, as the op
     ell_ref, fired_ref = hf.compact_rows_ref(jax.nn.relu(u), 16)
@@ -125,7 +124,6 @@ def test_compact_rows_matches_reference(interpret, method, block_rows, block_col
         width=16,
         block_rows=block_rows,
         block_cols=block_cols,
-        method=method,
         interpret=interpret,
     )
     np.testing.assert_array_equal(ell.counts, ell_ref.counts)
@@ -202,34 +200,6 @@ def test_spmm_csc_matches_dense(interpret):
     assert dead.any() and (_f32(dwu)[dead] == 0).all()
 
 
-@pytest.mark.parametrize("interpret", MODES)
-def test_gated_rows_fwd_matches_separate_kernels(interpret):
-    x, wg, wu, wd, _ = make_inputs(7, M, H, N, 8, heavy=(6,), zero=(11,))
-    _, ell, ell_count, _ = _ell(x, wg, 16)
-    args = (x, wu, wd, ell_count, ell.cols, ell.vals)
-    got = st.gated_rows_fwd(*args, **_kw(interpret))
-    want = st.gated_rows_fwd(*args, impl="xla")  # = sddmm_up then spmm_rows (jnp twins)
-    for name, a, b in zip(("r", "t", "l1_rows", "out"), got, want, strict=True):
-        assert rel_err(a, b) < OUT_RTOL, name
-    assert (_f32(got[3][11]) == 0).all() and (_f32(got[3][6]) == 0).all()  # zero / tail row
-    valid = np.asarray(hf.slot_mask(ell_count, 16))
-    assert (_f32(got[0])[~valid] == 0).all() and (_f32(got[1])[~valid] == 0).all()
-
-
-@pytest.mark.parametrize("interpret", MODES)
-def test_gated_rows_bwd_matches_separate_kernels(interpret):
-    x, wg, wu, wd, proj = make_inputs(8, M, H, N, 8, heavy=(2,), zero=(9,))
-    _, ell, ell_count, _ = _ell(x, wg, 16)
-    r, t, _ = st.sddmm_up(x, wu, ell_count, ell.cols, ell.vals, impl="xla")
-    g = proj.astype(jnp.bfloat16)
-    args = (g, wd, wu, wg, ell_count, ell.cols, ell.vals, r, t, jnp.asarray([0.3], jnp.float32))
-    got = st.gated_rows_bwd(*args, **_kw(interpret))
-    want = st.gated_rows_bwd(*args, impl="xla")  # = sddmm_grad then spmm_rows (jnp twins)
-    for name, a, b in zip(("dr", "du", "dx"), got, want, strict=True):
-        assert rel_err(a, b) < OUT_RTOL, name
-    assert (_f32(got[2][9]) == 0).all() and (_f32(got[2][2]) == 0).all()
-
-
 # ---------------------------------------------------------------------------------------
 # The op against jax.grad of the dense reference.
 # ---------------------------------------------------------------------------------------
@@ -287,16 +257,12 @@ CASES = {
 
 
 # The jnp twin runs the same orchestration; one case (plus the l1_coef and two-shard
-# tests below) covers it, keeping CPU time for the Pallas cases. fuse=False: the
-# separate row kernels.
-@pytest.mark.parametrize(
-    "impl, case, fuse",
-    [("xla", "tail", True), ("pallas", "tail", False)] + [("pallas", case, True) for case in CASES],
-)
-def test_op_grads_match_dense_reference(impl, case, fuse):
+# tests below) covers it, keeping CPU time for the Pallas cases.
+@pytest.mark.parametrize("impl, case", [("xla", "tail")] + [("pallas", case) for case in CASES])
+def test_op_grads_match_dense_reference(impl, case):
     nnz, heavy, zero, cap, fallback = CASES[case]
     inputs = make_inputs(10, M, H, N, nnz, heavy=heavy, zero=zero)
-    cfg = SparseTrainConfig(impl=impl, fuse_fwd_rows=fuse, fuse_bwd_rows=fuse, **SMALL)
+    cfg = SparseTrainConfig(impl=impl, **SMALL)
     stats = _check_against_reference(inputs, cfg, interpret=True)
     assert int(stats["tail_rows"]) == len(heavy)
     assert int(stats["tail_capacity"]) == cap
@@ -313,12 +279,11 @@ def test_op_grads_match_dense_reference_gpu(case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("nnz, fuse", [(29, True), (29, False), (100, True)])
-def test_op_grads_production_shape_gpu(nnz, fuse):
+@pytest.mark.parametrize("nnz", [29, 100])
+def test_op_grads_production_shape_gpu(nnz):
     """M=16384, H=2048, N=5632, default config; two heavy rows go to the tail."""
     inputs = make_inputs(11, 16384, 2048, 5632, nnz, heavy=(5, 77))
-    cfg = SparseTrainConfig(fuse_fwd_rows=fuse, fuse_bwd_rows=fuse)
-    stats = _check_against_reference(inputs, cfg, interpret=False)
+    stats = _check_against_reference(inputs, SparseTrainConfig(), interpret=False)
     assert int(stats["tail_rows"]) >= 2 and int(stats["dense_fallback"]) == 0
 
 
@@ -439,7 +404,6 @@ def test_unsupported_shape_raises():
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [
-        ({"compact_method": "sort"}, "compact_method"),
         ({"ell_width": 96}, "ell_width"),
         ({"tail_capacities": (256, 0)}, "tail_capacities"),
         ({"row_launch": (("sddmm", 2, 64, 4),)}, "unknown kernel"),
@@ -459,11 +423,6 @@ def test_row_launch_overrides_one_kernel_and_fits_h():
     assert (dx["chunk"], dx["block_h"], dx["num_warps"]) == (2, 2048, 2)
     fitted = resolve_config(32, 96, 256, cfg)
     assert fitted.row_kernel_kwargs("spmm_dx")["block_h"] == 32  # largest power of 2 | 96
-
-
-def test_compact_rows_rejects_unknown_method():
-    with pytest.raises(ValueError, match="method"):
-        st.compact_rows(jnp.zeros((4, 256), jnp.bfloat16), width=16, method="sort")
 
 
 def test_default_config_fits_small_shapes():
@@ -496,10 +455,6 @@ LOWERINGS = {
         lambda p: st.compact_rows(p, width=PW, interpret=False),
         [_z((PM, PN))],
     ),
-    "compact_rows_scan": (
-        lambda p: st.compact_rows(p, width=PW, method="scan", interpret=False),
-        [_z((PM, PN))],
-    ),
     "sddmm_up": (
         lambda x, w, c, cols, p: st.sddmm_up(x, w, c, cols, p, interpret=False),
         [_z((PM, PH)), _z((PN, PH)), _z((PM,), _I), _z((PM, PW), _I), _z((PM, PW))],
@@ -514,18 +469,6 @@ LOWERINGS = {
     ),
     "sddmm_grad": (
         lambda g, w, c, cols, v, s: st.sddmm_grad(g, w, c, cols, v, v, v, s, interpret=False),
-        [_z((PM, PH)), _z((PN, PH)), _z((PM,), _I), _z((PM, PW), _I), _z((PM, PW)),
-         _z((1,), jnp.float32)],
-    ),
-    "gated_rows_fwd": (
-        lambda x, wu, wd, c, cols, p: st.gated_rows_fwd(x, wu, wd, c, cols, p, interpret=False),
-        [_z((PM, PH)), _z((PN, PH)), _z((PN, PH)), _z((PM,), _I), _z((PM, PW), _I),
-         _z((PM, PW))],
-    ),
-    "gated_rows_bwd": (
-        lambda g, w, c, cols, v, s: st.gated_rows_bwd(
-            g, w, w, w, c, cols, v, v, v, s, interpret=False
-        ),
         [_z((PM, PH)), _z((PN, PH)), _z((PM,), _I), _z((PM, PW), _I), _z((PM, PW)),
          _z((1,), jnp.float32)],
     ),
@@ -566,21 +509,13 @@ def test_kernel_lowers_for_cuda(name, verified_modules):
     assert len(verified_modules) == 1
 
 
-@pytest.mark.parametrize(
-    "fuse, kernels",
-    [
-        # compaction, SDDMM + SpMM forward; SDDMM, dx SpMM and CSC SpMM backward.
-        pytest.param(False, 6, id="separate-rows"),
-        # compaction and fused rows forward; fused rows and CSC SpMM backward.
-        pytest.param(True, 4, id="fused-rows"),
-    ],
-)
-def test_op_value_and_grad_lowers_for_cuda(fuse, kernels, verified_modules):
-    config = SparseTrainConfig(fuse_fwd_rows=fuse, fuse_bwd_rows=fuse)
+def test_op_value_and_grad_lowers_for_cuda(verified_modules):
+    # Compaction, SDDMM + SpMM forward; SDDMM, dx SpMM and CSC SpMM backward.
+    kernels = 6
 
     def step(x, wg, wu, wd):
         def loss(*a):
-            out, stats = sparse_gated_mlp_train(*a, config=config, interpret=False)
+            out, stats = sparse_gated_mlp_train(*a, interpret=False)
             return jnp.sum(out.astype(jnp.float32)) + 2e-5 * stats["l1"]
 
         return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(x, wg, wu, wd)
