@@ -6,7 +6,8 @@ r"""Benchmarks, sparse against dense, measured in one process on the GPU.
 kernel: the TwELL inference ops against the dense XLA MLP (gated and non-gated) at
 M in --tokens, H=2048, N=5632, with synthetic gates at --nnz non-zeros per row, plus a
 density sweep of the whole gated MLP (--sweep_nnz) for the crossover.
-tune: block-size sweep of D2T and launch sweep of GatedT2D at the largest M.
+tune: launch sweeps of the pack kernel, of the fused D2T baseline and of GatedT2D's
+SDDMM and SpMM, at the largest M.
 train: the hybrid sparse training op's value_and_grad against dense XLA
 (experiments/benchmark_train.py), at M=--train_tokens; train_tune: its kernels' block
 options (compaction, row kernels, transposed SpMM).
@@ -31,10 +32,10 @@ from absl import app, flags, logging
 
 from experiments import bench_util as bu
 from experiments import benchmark_train
-from pallas_kernels import d2t as d2t_mod
-from pallas_kernels import ops, reference, twell_pack
+from pallas_kernels import baselines, ops, reference, twell_pack
 from pallas_kernels import t2d as t2d_mod
 from pallas_kernels import twell_format as fmt
+from pallas_kernels._gather import RowLaunch
 from pallas_kernels.sparse_train_op import SparseTrainConfig
 from twell_jax.config import with_overrides
 
@@ -83,33 +84,23 @@ flags.DEFINE_integer("compression", 8, "TwELL compression C.")
 flags.DEFINE_multi_string(
     "tune_d2t_cfg",
     ["128,64,128,8,3", "128,64,64,8,3", "128,64,128,8,4", "64,64,128,8,3"],
-    "D2T block_m,block_k,chunk,num_warps,num_stages to try in --mode=tune.",
+    "Fused D2T baseline block_m,block_k,chunk,num_warps,num_stages to try in --mode=tune.",
 )
 flags.DEFINE_multi_string(
     "tune_t2d_cfg",
     [
-        "split:2,1,1024:4,1,1024",
-        "split:4,1,1024:4,1,1024",
-        "split:2,1,512:4,1,512",
-        "split:2,1,1024:8,1,1024",
-        "split:2,1,1024:4,1,2048",
-        "fused:4,4,2048",
+        "2,1,1024:4,1,1024",
+        "4,1,1024:4,1,1024",
+        "2,1,512:4,1,512",
+        "2,1,1024:8,1,1024",
+        "2,1,1024:4,1,2048",
     ],
-    "GatedT2D launch plans to try in --mode=tune: split:<SDDMM>:<SpMM> or fused:<launch>, "
-    "each launch group,num_warps,block_h.",
+    "GatedT2D launches to try in --mode=tune: <SDDMM>:<SpMM>, each group,num_warps,block_h.",
 )
 flags.DEFINE_multi_string(
     "tune_pack_cfg",
-    [
-        "1,1,grouped,8,16,3",
-        "1,1,grouped,8,16,7",
-        "2,1,grouped,8,8,1",
-        "2,1,grouped,8,12,2",
-        "2,1,grouped,16,8,1",
-        "8,4,grouped,8,4,1",
-        "8,4,select,8,1",
-    ],
-    "Pack kernel block_m,num_warps,method[,group[,steps[,ahead]]] to try in --mode=tune.",
+    ["1,1,8,16,3", "1,1,8,16,7", "2,1,8,8,1", "2,1,8,12,2", "2,1,16,8,1", "8,4,8,4,1"],
+    "Pack kernel block_m,num_warps[,group[,steps[,ahead]]] to try in --mode=tune.",
 )
 flags.DEFINE_list("train_nnz", ["10", "29", "50", "100"], "Densities of --mode=train.")
 flags.DEFINE_multi_string(
@@ -141,14 +132,10 @@ def kernel_case(
     dense_gated = jax.jit(reference.gated_mlp)
     dense_mlp = jax.jit(reference.mlp)
     gate_gemm = jax.jit(reference.hidden)
-    d2t = jax.jit(lambda x, w: d2t_mod.d2t(x, w, compression=c))
+    d2t = jax.jit(lambda x, w: baselines.d2t(x, w, compression=c))
     d2t_two_pass = jax.jit(lambda x, w: twell_pack.gate_then_pack(x, w, compression=c))
     pack = jax.jit(lambda g: twell_pack.pack_tiles(g, compression=c))
     gated_t2d = jax.jit(lambda x, p, a, b, d: t2d_mod.t2d(x, p, (a, b, d), compression=c))
-    fused_plan = t2d_mod.T2DConfig(split=False)
-    gated_t2d_fused = jax.jit(
-        lambda x, p, a, b, d: t2d_mod.t2d(x, p, (a, b, d), compression=c, cfg=fused_plan)
-    )
     t2d = jax.jit(lambda x, p, b, d: t2d_mod.t2d(x, p, (b, d), compression=c))
     twell_gated = jax.jit(
         lambda *a: ops.twell_gated_mlp(*a, compression=c, impl="pallas", return_stats=True)
@@ -156,13 +143,13 @@ def kernel_case(
     twell = jax.jit(lambda *a: ops.twell_mlp(*a, compression=c, impl="pallas", return_stats=True))
 
     # The non-gated MLP relu(x Wu^T) Wd takes the sparse weight (wg) as its Wu.
-    packed_g = d2t(x, wg)
+    packed_g = d2t_two_pass(x, wg)
     out_g, stats_g = twell_gated(x, wg, wu, wd)
     out_u, stats_u = twell(x, wg, wd)
     ref_g, ref_u = dense_gated(x, wg, wu, wd), dense_mlp(x, wg, wd)
-    # The packed gate decodes exactly to the dense bf16 relu(x Wg^T) (up to fp32
+    # The fused D2T's gate decodes exactly to the dense bf16 relu(x Wg^T) (up to fp32
     # summation order at the ReLU boundary): count mismatching entries.
-    decoded = fmt.unpack(packed_g[:4096], n, c)
+    decoded = fmt.unpack(d2t(x[:4096], wg), n, c)
     gate_mismatch = int(jnp.sum(decoded != gate_gemm(x[:4096], wg)))
 
     r = {"M": m, "H": h, "N": n, "C": c, "target_nnz": nnz}
@@ -176,7 +163,6 @@ def kernel_case(
     r["d2t_two_pass_ms"] = timed(d2t_two_pass, x, wg)
     r["pack_ms"] = timed(pack, gate_gemm(x, wg))
     r["gated_t2d_ms"] = timed(gated_t2d, x, packed_g, wg, wu, wd)
-    r["gated_t2d_fused_ms"] = timed(gated_t2d_fused, x, packed_g, wg, wu, wd)
     r["twell_gated_ms"] = timed(twell_gated, x, wg, wu, wd)
     r["speedup_gated"] = r["dense_gated_ms"] / r["twell_gated_ms"]
     # The two acceptance ratios again, each pair alternating in one loop (drift hits both
@@ -189,7 +175,7 @@ def kernel_case(
         {"d2t": d2t_two_pass, "gemm": gate_gemm}, x, wg, reps=reps, inner=inner
     )
     r["d2t_two_pass_over_gemm_interleaved"] = pair["ratios"]["d2t/gemm"]
-    # One call per sync, as up to session 11: adds the host's gap to both.
+    # One call per sync: adds the host's dispatch and sync gap to both.
     r["dense_gated_single_call_ms"] = single(dense_gated, x, wg, wu, wd)
     r["twell_gated_single_call_ms"] = single(twell_gated, x, wg, wu, wd)
     r["speedup_gated_single_call"] = (
@@ -241,15 +227,13 @@ def _ints(spec: str) -> tuple[int, ...]:
     return tuple(int(v) for v in spec.split(","))
 
 
-def _t2d_plan(spec: str) -> t2d_mod.T2DConfig:
-    """ "split:g,w,bh:g,w,bh" (SDDMM, SpMM) or "fused:g,w,bh" -> T2DConfig."""
-    plan, *launches = spec.split(":")
-    launches = [t2d_mod.RowLaunch(*_ints(v)) for v in launches]
-    if plan == "fused" and len(launches) == 1:
-        return t2d_mod.T2DConfig(split=False, fused=launches[0])
-    if plan == "split" and len(launches) == 2:
-        return t2d_mod.T2DConfig(sddmm=launches[0], spmm=launches[1])
-    raise ValueError(f"--tune_t2d_cfg {spec!r}: want split:<g,w,bh>:<g,w,bh> or fused:<g,w,bh>")
+def _t2d_launches(spec: str) -> t2d_mod.T2DConfig:
+    """ "g,w,bh:g,w,bh" (SDDMM, SpMM) -> T2DConfig."""
+    parts = spec.split(":")
+    if len(parts) != 2 or any(len(_ints(p)) != 3 for p in parts):
+        raise ValueError(f"--tune_t2d_cfg {spec!r}: want <g,w,bh>:<g,w,bh>")
+    sddmm, spmm = (RowLaunch(*_ints(p)) for p in parts)
+    return t2d_mod.T2DConfig(sddmm=sddmm, spmm=spmm)
 
 
 def _time_configs(kind: str, cfgs, make_fn, args, warmup: int, reps: int, inner: int) -> list[dict]:
@@ -268,33 +252,29 @@ def _time_configs(kind: str, cfgs, make_fn, args, warmup: int, reps: int, inner:
 
 
 def tune(m: int, h: int, n: int, c: int, reps: int, warmup: int, inner: int) -> dict:
-    """D2T block sizes (fused and pack kernel) and GatedT2D launches at ~29 nnz per row."""
+    """Launches of the pack kernel, the fused D2T baseline and GatedT2D at ~29 nnz per row."""
     x, wg, wu, wd = bu.synthetic_mlp(m, h, n, 29)
     gate = jax.jit(reference.hidden)
     gemm_ms = bu.time_fn(gate, x, wg, warmup=warmup, reps=reps, inner=inner)["median_ms"]
     timed = functools.partial(_time_configs, warmup=warmup, reps=reps, inner=inner)
     d2t_rows = timed(
         "d2t",
-        [d2t_mod.D2TConfig(*_ints(spec)) for spec in FLAGS.tune_d2t_cfg],
-        lambda cfg: lambda x, w: d2t_mod.d2t(x, w, compression=c, cfg=cfg),
+        [baselines.D2TConfig(*_ints(spec)) for spec in FLAGS.tune_d2t_cfg],
+        lambda cfg: lambda x, w: baselines.d2t(x, w, compression=c, cfg=cfg),
         (x, wg),
     )
     for row in d2t_rows:
         row["over_gemm"] = row["ms"] and row["ms"] / gemm_ms
-    pack_cfgs = []
-    for spec in FLAGS.tune_pack_cfg:
-        bm, warps, method, *ints = spec.split(",")
-        pack_cfgs.append(twell_pack.PackConfig(int(bm), int(warps), method, *map(int, ints)))
     pack_rows = timed(
         "pack",
-        pack_cfgs,
+        [twell_pack.PackConfig(*_ints(spec)) for spec in FLAGS.tune_pack_cfg],
         lambda cfg: lambda g: twell_pack.pack_tiles(g, compression=c, cfg=cfg),
         (gate(x, wg),),
     )
     packed = jax.jit(lambda x, w: twell_pack.gate_then_pack(x, w, compression=c))(x, wg)
     t2d_rows = timed(
         "t2d",
-        [_t2d_plan(spec) for spec in FLAGS.tune_t2d_cfg],
+        [_t2d_launches(spec) for spec in FLAGS.tune_t2d_cfg],
         lambda cfg: lambda x, p, a, b, d: t2d_mod.t2d(x, p, (a, b, d), compression=c, cfg=cfg),
         (x, packed, wg, wu, wd),
     )

@@ -4,7 +4,6 @@ Public API: the inference ops (TwELL) and their stage configs, the training op (
 ELL + dense tail) and its remat residual name; the kernels and formats live in their own modules.
 """
 
-from pallas_kernels.d2t import D2TConfig
 from pallas_kernels.ops import TwellStats, twell_gated_mlp, twell_mlp, twell_supported
 from pallas_kernels.sparse_train_op import (
     RESIDUALS_NAME,
@@ -17,7 +16,6 @@ from pallas_kernels.twell_pack import PackConfig
 
 __all__ = [
     "RESIDUALS_NAME",
-    "D2TConfig",
     "PackConfig",
     "SparseTrainConfig",
     "T2DConfig",

@@ -1,12 +1,15 @@
-"""D2T: relu(x Wg^T) with the TwELL pack fused into the GEMM epilogue.
+"""Baseline kernels the benchmarks compare against; no op runs them.
 
-The dense activation never reaches HBM. Each program computes one [BM, 256] output
-tile (one TwELL tile of BM rows), so every (row, tile) is packed by exactly one
+`d2t`: relu(x Wg^T) with the TwELL pack fused into the GEMM epilogue, the paper's D2T
+design. The dense activation never reaches HBM. Each program computes one [BM, 256]
+output tile (one TwELL tile of BM rows), so every (row, tile) is packed by exactly one
 program and no atomics are needed. In-tile slot positions come from an inclusive
-prefix sum done as a matmul with an upper-triangular ones matrix (exact in fp32):
-Triton's scan plus scatter in the accumulator layout was 3x slower in the probe
-(twell_inference_spec.md §6.2). Entries land in column order, so the output is
-deterministic.
+prefix sum done as a matmul with an upper-triangular ones matrix (exact in fp32),
+because Triton's scan plus a scatter in the accumulator layout is slower. Entries land
+in column order, so the output is deterministic and equals the two-pass D2T's words
+(`pallas_kernels.twell.pack.gate_then_pack`) up to the GEMMs' summation order. The
+inference ops use the two-pass form instead, which is faster on the H200
+(docs/performance_notes.md, "Fused D2T baseline"; docs/design.md §4.1).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ _NT = (((1,), (1,)), ((), ()))  # contract the last dims: a [m, k] x b [n, k] ->
 
 @dataclasses.dataclass(frozen=True)
 class D2TConfig:
-    """Block sizes and launch parameters of the D2T kernel.
+    """Block sizes and launch parameters of the fused D2T kernel.
 
     block_m rows x 256 columns per program; block_k the K step; chunk the epilogue
     column width (256 / chunk accumulators, packed one after another).
@@ -92,7 +95,7 @@ def _d2t_kernel(x_ref, w_ref, o_ref, *, m, cfg: D2TConfig, slots):
         columns = (tile * fmt.TILE + c * chunk + idx).astype(jnp.uint32)
         words = fmt.encode_words(acc, columns[None, :])
         keep = positive & (slot < slots) & row_ok[:, None]
-        slot = jnp.where(keep, slot, fmt.OUT_OF_TILE_SLOT)  # twell_format explains why
+        slot = jnp.where(keep, slot, fmt.OUT_OF_TILE_SLOT)  # the format module says why
         tr.store(o_ref.at[local_rows[:, None], slot], words, mask=keep)
         count = count + jnp.sum(positive.astype(jnp.int32), axis=1)
     tr.store(o_ref.at[:, pl.ds(0, 1)], count.astype(jnp.uint32)[:, None], mask=row_ok[:, None])
@@ -116,7 +119,7 @@ def d2t(
       interpret: run the Pallas interpreter (None: only when there is no GPU).
 
     Returns:
-      uint32 [M, N / C] TwELL words (see twell_format); word 0 of a tile keeps the
+      uint32 [M, N / C] TwELL words (docs/design.md §3); word 0 of a tile keeps the
       true count, also past capacity.
     """
     m, h = x.shape

@@ -5,25 +5,18 @@
 
 Backends (`impl`): "pallas" (D2T then (Gated)T2D, compiled for the GPU),
 "interpret" (the same kernels in the Pallas interpreter, for CPU tests), "xla" (the
-dense jnp computation with the same statistics, for CPU models) and "auto" (pallas
-on a GPU, xla elsewhere).
+dense jnp computation with the same rounding and statistics, for CPU models) and
+"auto" (pallas on a GPU, xla elsewhere).
 
-The D2T stage comes in two forms, picked by the type of `d2t_config`:
-- `PackConfig` (the default): XLA's gate GEMM writes the bf16 activation, then the
-  `twell_pack` kernel packs it (a few [BM, 256] blocks of one tile per program). It
-  moves 2 x M x N bf16 through HBM, and is still ~1.4x faster on the H200 than
-- `D2TConfig`: the fused kernel (gate GEMM with the pack in its epilogue; the dense
-  activation never reaches HBM), whose scatter epilogue Triton lowers poorly
-  (results/NOTES.md). Both produce the same words.
-The (Gated)T2D stage runs the split plan by default (a TwELL SDDMM, then an H-blocked
-TwELL SpMM; `T2DConfig(split=False)` runs the fused kernel): see `pallas_kernels.t2d`.
+D2T (docs/design.md §4.1): XLA's gate GEMM writes the bf16 activation, then the pack
+kernel packs it and also writes the tile counts. (Gated)T2D (§4.2, §4.3): a TwELL
+SDDMM (gated only) and an H-blocked TwELL SpMM.
 
-Overflow policy: a (row, tile) with more positives than its W - 1 slots keeps its
-true count in the format; the T2D stage (the SpMM, or the fused kernel) sees it and
-recomputes that tile from x and the dense weight rows, so the output is correct at any
-density. How many tiles took
-that path is reported in `TwellStats.overflow_tiles` (ask with return_stats=True).
-When it is a sizeable fraction, a smaller compression factor (C=4 or 2) is faster.
+Overflow policy (§4.4): a (row, tile) with more positives than its W - 1 slots keeps
+its true count in the format; the SpMM sees it and recomputes that tile from x and the
+dense weight rows, so the output is correct at any density. How many tiles took that
+path is reported in `TwellStats.overflow_tiles` (ask with return_stats=True). When it
+is a sizeable fraction, a smaller compression factor (C=4 or 2) is faster.
 
 Gradients: the ops are `custom_vjp`s whose backward is the dense MLP's, so they may
 sit inside a differentiated model; training should use the hybrid sparse op instead.
@@ -41,7 +34,6 @@ import jax.numpy as jnp
 from pallas_kernels import _triton as tr
 from pallas_kernels import reference
 from pallas_kernels import twell_format as fmt
-from pallas_kernels.d2t import D2TConfig, d2t
 from pallas_kernels.t2d import T2DConfig, t2d
 from pallas_kernels.twell_pack import PackConfig, gate_then_pack
 
@@ -69,7 +61,7 @@ class TwellOptions:
     compression: int = 8
     high_precision: bool = False
     impl: str = "auto"
-    d2t: D2TConfig | PackConfig = PackConfig()
+    d2t: PackConfig = PackConfig()
     t2d: T2DConfig = T2DConfig()
 
 
@@ -108,15 +100,16 @@ def twell_supported(h: int, n: int, compression: int = 8) -> str | None:
 
 
 def _sparse_forward(x, weights, opts: TwellOptions):
-    """Pallas path: out [M, H] and the tile counts, int32 [N / 256, M] (two-pass D2T,
-    from the pack kernel) or [M, N / 256] (fused D2T, read out of the words)."""
+    """Pallas path: out [M, H] and the pack's tile counts, int32 [N / 256, M]."""
     interpret = opts.impl == "interpret" or (opts.impl == "auto" and not tr.on_gpu())
-    args = dict(compression=opts.compression, cfg=opts.d2t, interpret=interpret)
-    if isinstance(opts.d2t, PackConfig):
-        packed, counts = gate_then_pack(x, weights[0], with_counts=True, **args)
-    else:
-        packed = d2t(x, weights[0], **args)
-        counts = fmt.tile_counts(packed, opts.compression)
+    packed, counts = gate_then_pack(
+        x,
+        weights[0],
+        compression=opts.compression,
+        cfg=opts.d2t,
+        interpret=interpret,
+        with_counts=True,
+    )
     out = t2d(
         x,
         packed,
@@ -203,7 +196,7 @@ def twell_gated_mlp(
     high_precision: bool = False,
     return_stats: bool = False,
     impl: str = "auto",
-    d2t_config: D2TConfig | PackConfig = PackConfig(),
+    d2t_config: PackConfig = PackConfig(),
     t2d_config: T2DConfig = T2DConfig(),
 ):
     """The TwELL gated MLP: (relu(x Wg^T) * (x Wu^T)) Wd.
@@ -217,9 +210,8 @@ def twell_gated_mlp(
       high_precision: keep the up product and h in fp32 (only the output is rounded).
       return_stats: also return a TwellStats.
       impl: "auto", "pallas", "interpret" or "xla" (module docstring).
-      d2t_config: the D2T stage: PackConfig (XLA GEMM + pack kernel) or D2TConfig
-        (the fused kernel); see the module docstring.
-      t2d_config: T2D launch parameters.
+      d2t_config: launch of the D2T stage's pack kernel (after XLA's gate GEMM).
+      t2d_config: launches of the T2D stage's SDDMM and SpMM kernels.
 
     Returns:
       out [..., H] bf16, or (out, TwellStats) when return_stats.
@@ -240,7 +232,7 @@ def twell_mlp(
     compression: int = 8,
     return_stats: bool = False,
     impl: str = "auto",
-    d2t_config: D2TConfig | PackConfig = PackConfig(),
+    d2t_config: PackConfig = PackConfig(),
     t2d_config: T2DConfig = T2DConfig(),
 ):
     """The TwELL non-gated MLP: relu(x Wu^T) Wd.

@@ -1,4 +1,4 @@
-"""T2D and GatedT2D: the down projection (and the up projection) from TwELL.
+"""GatedT2D and T2D: the down projection (and the up projection) from TwELL.
 
 For every TwELL entry j of a token row (gate value g_j at neuron j):
 
@@ -6,32 +6,27 @@ For every TwELL entry j of a token row (gate value g_j at neuron j):
     non-gated: h_j = g_j (the packed value is already relu(x Wu^T))   out += h_j Wd[j]
 
 Each entry gathers the contiguous weight rows Wu[j] and Wd[j] (4 KB each at H=2048,
-mostly L2 hits), so the kernels are bound by L2 bandwidth. Two launch plans:
-
-- split (default): a TwELL SDDMM (one program per row: x in registers, h_j for each
-  entry, by default listed in order in a compact buffer, `T2DConfig.compact_h`;
-  otherwise written as TwELL words at the gate's slots) and a TwELL SpMM (one program
-  per (row, H block): out += h_j Wd[j, block]). The non-gated T2D is the SpMM alone.
-  With one warp per program every reduction stays in shuffles and the registers go to
-  gathers in flight: 3.6-3.7 ms against 4.4 ms for the fused kernel on the H200 at
-  M=131072, ~29 entries per row (results/NOTES.md, session 10).
-- fused (`split=False`): one program per row does both, so h never leaves registers;
-  it needs the whole row's x and fp32 output in registers, hence 4 warps and a
-  cross-warp reduction per entry group.
+mostly L2 hits), so the kernels are bound by L2 bandwidth. The gated MLP runs two
+kernels (docs/design.md §4.2): a TwELL SDDMM (one program per row: x in registers,
+h_j for each entry, listed in order in a compact buffer of its own) and a TwELL SpMM
+(one program per (row, H block): out += h_j Wd[j, block]). The non-gated T2D is the
+SpMM alone, on the packed activation (§4.3). With one warp per program every
+reduction stays in shuffles and the registers go to gathers in flight.
 
 Rounding follows the dense bf16 XLA MLP (u and h rounded to bf16, fp32 dots and
 accumulation) so the two agree to bf16 summation-order noise; `high_precision` keeps
-u and h in fp32 (the split plan passes h in an fp32 side array). A tile whose count
-overflowed its W - 1 slots is recomputed from x and the dense weight rows of that
-tile (gate GEMV, ReLU, up, down), so the result stays exact whatever the density;
-the caller counts those tiles.
+u and h in fp32 (h then also goes to the SpMM in an fp32 side array). A tile whose
+count overflowed its W - 1 slots is recomputed from x and the dense weight rows of
+that tile (gate GEMV, ReLU, up, down), so the result stays exact whatever the density
+(§4.4); the caller counts those tiles.
 
 A row's entries are first flattened across tiles (counts -> prefix sums), then
 gathered `group` at a time: vectorising over a tile's W slots instead wastes most of
-the work at about 1.3 entries per tile (spec §6.2), while a scalar entry loop keeps
-too few gathers in flight. The split kernels load the next group's entry words while
-the current group's weight rows are gathered, so a step waits on one L2 round trip,
-not two (1-3% at M=131072, results/s12_t2d_prefetch.json).
+the work at about 1.3 entries per tile, while a scalar entry loop keeps too few
+gathers in flight. Both kernels load the next group's entry words while the current
+group's weight rows are gathered, so a step waits on one L2 round trip, not two.
+Weight rows are re-read by every token, activations once: the gathers ask L2 to keep
+the weights (evict_last) and to drop the streamed rows first (evict_first).
 """
 
 from __future__ import annotations
@@ -48,42 +43,23 @@ from pallas_kernels import _triton as tr
 from pallas_kernels import twell_format as fmt
 from pallas_kernels._gather import RowLaunch
 
-MAX_CHUNK = 2048
 _F32 = jnp.float32
+# L2 eviction policies: weight rows (re-read by every token) and streamed rows.
+_KEEP, _STREAM = "evict_last", "evict_first"
 
 
 @dataclasses.dataclass(frozen=True)
 class T2DConfig:
-    """Launch plan of the T2D kernels (module docstring).
+    """Launches of the TwELL SDDMM (gated only) and SpMM kernels.
 
-    split: SDDMM + SpMM (default) or the fused kernel.
-    sddmm, spmm: the split plan's launches (H200, M=131072, 29 nnz: SDDMM 1.88 ms at
-      2 / 1 / 1024 against 1.91-2.39 for the other launches tried; SpMM 1.76 ms at
-      4 / 1 / 1024 against 1.79-2.27).
-    fused: the fused kernel's launch (4.5-4.6 ms; 1 or 2 warps were slower).
+    Each `RowLaunch` gives the entries gathered per step, the warps per program and
+    the H block (fitted to H); the defaults are the fastest launches measured
+    (docs/performance_notes.md, "T2D SDDMM and SpMM").
     """
 
-    split: bool = True
     sddmm: RowLaunch = RowLaunch(group=2, num_warps=1, block_h=1024)
     spmm: RowLaunch = RowLaunch(group=4, num_warps=1, block_h=1024)
-    fused: RowLaunch = RowLaunch(group=4, num_warps=4, block_h=2048)
     num_stages: int = 1
-    # Weight rows are re-read by every token, activations once: ask L2 to keep the
-    # weights (evict_last) and to drop the streamed rows first.
-    cache_hints: bool = True
-    # The SDDMM lists h contiguously in a buffer of its own (word 0: the count, bit 31
-    # set when a tile overflowed; words 1..count: the entries), so the SpMM reads a
-    # row's words in order rather than walking its tiles' counts: 1.0-1.1% of the gated
-    # MLP at M=131072 and 16384 on the H200 (results/s13_compact.json). False: h goes
-    # over the gate's words in the gate's own buffer (an XLA input/output alias; the
-    # counts are already there, and each h word lands in a sector the kernel has just
-    # read; XLA copies the gate first if the caller still holds it).
-    compact_h: bool = True
-
-
-def h_chunk(h: int) -> int:
-    """Largest power of two dividing H, capped at MAX_CHUNK: loads come in 2^k pieces."""
-    return min(h & -h, MAX_CHUNK)
 
 
 def t2d_supported(h: int, n: int, compression: int, cfg: T2DConfig) -> str | None:
@@ -94,12 +70,7 @@ def t2d_supported(h: int, n: int, compression: int, cfg: T2DConfig) -> str | Non
         return str(e)
     if h % 64:
         return f"d_model H={h} must be a multiple of 64"
-    for name in ("sddmm", "spmm", "fused"):
-        launch = getattr(cfg, name)
-        for field in ("group", "num_warps", "block_h"):
-            if not tr.is_pow2(getattr(launch, field)):
-                return f"{name}.{field}={getattr(launch, field)} must be a power of two"
-    return None
+    return cfg.sddmm.unsupported("sddmm") or cfg.spmm.unsupported("spmm")
 
 
 def _next_pow2(n: int) -> int:
@@ -265,88 +236,33 @@ def _add_overflowed(acc, words_ref, row, ent, *, slots, group, hidden_of, add_ro
     )
 
 
-def _dense_hidden(x_piece, pieces, w_dense, j, ok, *, high_precision, policy):
+def _dense_hidden(x_piece, pieces, w_dense, j, ok, *, high_precision):
     """h of neurons j recomputed from x: relu(x Wg^T) * (x Wu^T) for w_dense = (Wg, Wu),
     relu(x Wu^T) for w_dense = (Wu,)."""
-    g = _round_bf16(jnp.maximum(_dots(x_piece, pieces, w_dense[0], j, ok, policy), 0.0))
+    g = _round_bf16(jnp.maximum(_dots(x_piece, pieces, w_dense[0], j, ok, _KEEP), 0.0))
     if len(w_dense) == 1:
         return g
-    return _hidden(g, _dots(x_piece, pieces, w_dense[1], j, ok, policy), high_precision)
+    return _hidden(g, _dots(x_piece, pieces, w_dense[1], j, ok, _KEEP), high_precision)
 
 
-def _policies(hints: bool) -> tuple[str | None, str | None]:
-    """(weights, streamed rows) L2 eviction policies."""
-    return ("evict_last", "evict_first") if hints else (None, None)
+# ------------------------------------------------------------------ SDDMM and SpMM
 
 
-# ------------------------------------------------------------------------ fused kernel
-
-
-def _fused_kernel(x_ref, packed_ref, *refs, gated, high_precision, slots, group, block, hints):
-    """One token row: out[row] = sum over entries of h_j Wd[j].
-
-    x_ref [M, H] bf16; packed_ref [M, N/C] uint32; weights [N, H] bf16 (gated: w_gate,
-    w_up, w_down; else w_up, w_down); out_ref [M, H] in x's dtype.
-    """
-    if gated:
-        wg_ref, wu_ref, wd_ref, out_ref = refs
-    else:
-        wg_ref, (wu_ref, wd_ref, out_ref) = None, refs
-    keep, stream = _policies(hints)
-    row = tr.program_id(0, x_ref.shape[0])
-    n_tiles = packed_ref.shape[1] // slots
-    pieces = _pieces(x_ref.shape[1], block)
-    x = [_load_x(x_ref, row, cols, stream) for cols in pieces]
-    x_piece = x.__getitem__
-
-    def add_rows(acc, hv, j, ok):
-        return tuple(
-            a + jnp.sum(hv[:, None] * _gather(wd_ref, j, ok, cols, keep), axis=0)
-            for a, cols in zip(acc, pieces, strict=True)
-        )
-
-    def entry_group(step, acc):
-        pos, ok = ent.positions(step, group)
-        j, g = _decode(tr.load(packed_ref.at[row, pos], mask=ok, other=0))
-        if gated:
-            g = _hidden(g, _dots(x_piece, pieces, wu_ref, j, ok, keep), high_precision)
-        return add_rows(acc, g, j, ok)
-
-    ent = _row_entries(packed_ref, row, slots, n_tiles)
-    acc = tuple(jnp.zeros((block,), _F32) for _ in pieces)
-    acc = lax.fori_loop(0, ent.n_steps(group), entry_group, acc)
-    acc = _add_overflowed(
-        acc, packed_ref, row, ent, slots=slots, group=group, add_rows=add_rows,
-        hidden_of=functools.partial(
-            _dense_hidden, x_piece, pieces, (wg_ref, wu_ref) if gated else (wu_ref,),
-            high_precision=high_precision, policy=keep,
-        ),
-    )  # fmt: skip
-    for a, cols in zip(acc, pieces, strict=True):
-        tr.store(out_ref.at[row, cols], a.astype(out_ref.dtype), eviction_policy=stream)
-
-
-# ----------------------------------------------------------------- split: SDDMM, SpMM
-
-
-def _sddmm_kernel(x_ref, packed_ref, wu_ref, words_ref, *h32_ref, high_precision, slots, group,
-                  block, hints, compact):  # fmt: skip
+def _sddmm_kernel(x_ref, packed_ref, wu_ref, h_ref, *h32_ref, high_precision, slots, group,
+                  block):  # fmt: skip
     """One token row: h_j = g_j * (x . Wu[j]) at every listed entry of the gate.
 
-    Compact: words_ref [M, N/C] uint32 lists the row's (bf16(h_j) << 16) | j in order
-    at words 1..count, word 0 being `_compact_head`. Otherwise words_ref is packed_ref's
-    buffer (aliased) and each listed entry's word, read first, is replaced by its h word
-    at the same slot; the gate's true counts stay. In high precision h32_ref [M, N/C]
-    fp32 holds h_j at the same words.
+    x_ref [M, H] bf16; packed_ref [M, N/C] uint32, the gate; wu_ref [N, H] bf16.
+    h_ref [M, N/C] uint32 lists the row's (bf16(h_j) << 16) | j in order at words
+    1..count, word 0 being `_compact_head`; in high precision h32_ref [M, N/C] fp32
+    holds h_j at the same words.
     """
-    keep, stream = _policies(hints)
     row = tr.program_id(0, x_ref.shape[0])
     n_tiles = packed_ref.shape[1] // slots
     pieces = _pieces(x_ref.shape[1], block)
-    x = [_load_x(x_ref, row, cols, stream) for cols in pieces]
+    x = [_load_x(x_ref, row, cols, _STREAM) for cols in pieces]
     ent = _row_entries(packed_ref, row, slots, n_tiles)
-    if compact:
-        words_ref[row, 0] = _compact_head(ent, slots)
+    h_ref[row, 0] = _compact_head(ent, slots)
 
     def words_of(step):
         pos, ok = ent.positions(step, group)
@@ -354,11 +270,11 @@ def _sddmm_kernel(x_ref, packed_ref, wu_ref, words_ref, *h32_ref, high_precision
 
     def entry_group(step, loaded):
         following = words_of(step + 1)  # in flight while this step's rows are gathered
-        pos, ok, word = loaded
+        _, ok, word = loaded
         j, g = _decode(word)
-        hv = _hidden(g, _dots(x.__getitem__, pieces, wu_ref, j, ok, keep), high_precision)
-        at = step * group + _iota(group) + 1 if compact else pos
-        tr.store(words_ref.at[row, at], fmt.encode_words(hv, j), mask=ok)
+        hv = _hidden(g, _dots(x.__getitem__, pieces, wu_ref, j, ok, _KEEP), high_precision)
+        at = step * group + _iota(group) + 1
+        tr.store(h_ref.at[row, at], fmt.encode_words(hv, j), mask=ok)
         if h32_ref:
             tr.store(h32_ref[0].at[row, at], hv, mask=ok)
         return following
@@ -366,30 +282,28 @@ def _sddmm_kernel(x_ref, packed_ref, wu_ref, words_ref, *h32_ref, high_precision
     lax.fori_loop(0, ent.n_steps(group), entry_group, words_of(0))
 
 
-def _spmm_kernel(x_ref, words_ref, *refs, gated, high_precision, slots, group, block, hints,
-                 compact):  # fmt: skip
+def _spmm_kernel(x_ref, words_ref, *refs, gated, high_precision, slots, group, block):
     """Program (row, H block): out[row, block] = sum over entries of h_j Wd[j, block].
 
-    words_ref [M, N/C] uint32 holds h_j (the SDDMM's words, or the non-gated packed
-    activation); refs: [h32_ref (high precision)], [the gate's words (compact: the
-    counts of overflowed tiles)], the weights an overflowed tile is recomputed from
-    ((w_gate, w_up) gated, (w_up,) non-gated), w_down, out_ref.
+    words_ref [M, N/C] uint32 holds h_j: the SDDMM's compact list (gated) or the
+    packed activation (non-gated). refs: [h32_ref (gated, high precision)], [the
+    gate's words (gated: the counts of overflowed tiles)], the weights an overflowed
+    tile is recomputed from ((w_gate, w_up) gated, (w_up,) non-gated), w_down, out_ref.
     """
     h32_ref = refs[0] if high_precision and gated else None
     refs = refs[1:] if h32_ref is not None else refs
-    counts_ref, refs = (refs[0], refs[1:]) if compact else (words_ref, refs)
+    counts_ref, refs = (refs[0], refs[1:]) if gated else (words_ref, refs)
     *w_dense, wd_ref, out_ref = refs
-    keep, stream = _policies(hints)
     row, hb = tr.program_id(0, x_ref.shape[0]), tr.program_id(1, x_ref.shape[1] // block)
     n_tiles = counts_ref.shape[1] // slots
     d = hb * block + _iota(block)
-    if compact:
+    if gated:
         ent = _compact_entries(words_ref, row)
     else:
         ent = _row_entries(words_ref, row, slots, n_tiles)
 
     def add_rows(acc, hv, j, ok):
-        return acc + jnp.sum(hv[:, None] * _gather(wd_ref, j, ok, d, keep), axis=0)
+        return acc + jnp.sum(hv[:, None] * _gather(wd_ref, j, ok, d, _KEEP), axis=0)
 
     def words_of(step):
         pos, ok = ent.positions(step, group)
@@ -414,10 +328,10 @@ def _spmm_kernel(x_ref, words_ref, *refs, gated, high_precision, slots, group, b
     acc = _add_overflowed(
         acc, counts_ref, row, ent, slots=slots, group=group, add_rows=add_rows,
         hidden_of=functools.partial(
-            _dense_hidden, x_piece, pieces, w_dense, high_precision=high_precision, policy=keep
+            _dense_hidden, x_piece, pieces, w_dense, high_precision=high_precision
         ),
     )  # fmt: skip
-    tr.store(out_ref.at[row, d], acc.astype(out_ref.dtype), eviction_policy=stream)
+    tr.store(out_ref.at[row, d], acc.astype(out_ref.dtype), eviction_policy=_STREAM)
 
 
 def t2d(
@@ -453,40 +367,27 @@ def t2d(
     gated = len(weights) == 3
     slots = fmt.slots_per_tile(compression)
     interpret = tr.resolve_interpret(interpret)
-    hints = cfg.cache_hints
     tag = f"{'gated_' if gated else ''}t2d_c{compression}"
     out_shape = jax.ShapeDtypeStruct((m, h), x.dtype)
 
-    def launch(kernel, launch_cfg, grid, name, out_shapes, *args, aliases=None):
-        block = min(launch_cfg.block_h, h_chunk(h))
+    def launch(kernel, launch_cfg, grid, name, out_shapes, *args):
+        block = launch_cfg.fit(h).block_h
         return tr.pallas_call(
-            functools.partial(kernel, slots=slots, group=launch_cfg.group, block=block,
-                              hints=hints),
+            functools.partial(kernel, slots=slots, group=launch_cfg.group, block=block),
             out_shape=out_shapes,
             grid=grid(block),
             compiler_params=tr.compiler_params(launch_cfg.num_warps, cfg.num_stages),
             interpret=interpret,
             name=f"twell_{name}_{tag}",
-            input_output_aliases=aliases or {},
-        )(*args)  # fmt: skip
+        )(*args)
 
-    if not cfg.split:
-        kernel = functools.partial(_fused_kernel, gated=gated, high_precision=high_precision)
-        return launch(kernel, cfg.fused, lambda b: (m,), "fused", out_shape, x, packed, *weights)
-    compact = gated and cfg.compact_h
-    spmm = functools.partial(
-        _spmm_kernel, gated=gated, high_precision=high_precision, compact=compact
-    )
+    spmm = functools.partial(_spmm_kernel, gated=gated, high_precision=high_precision)
     spmm_grid = lambda b: (m, h // b)  # rows fastest: one H block of Wd is live at a time
     if not gated:
         return launch(spmm, cfg.spmm, spmm_grid, "spmm", out_shape, x, packed, *weights)
     words = jax.ShapeDtypeStruct(packed.shape, jnp.uint32)
     sddmm_out = (words, jax.ShapeDtypeStruct(packed.shape, _F32)) if high_precision else words
-    sddmm = functools.partial(_sddmm_kernel, high_precision=high_precision, compact=compact)
-    hidden = launch(
-        sddmm, cfg.sddmm, lambda b: (m,), "sddmm", sddmm_out, x, packed, weights[1],
-        aliases=None if compact else {1: 0},
-    )  # fmt: skip
+    sddmm = functools.partial(_sddmm_kernel, high_precision=high_precision)
+    hidden = launch(sddmm, cfg.sddmm, lambda b: (m,), "sddmm", sddmm_out, x, packed, weights[1])
     hidden = hidden if high_precision else (hidden,)
-    gate = (packed,) if compact else ()
-    return launch(spmm, cfg.spmm, spmm_grid, "spmm", out_shape, x, *hidden, *gate, *weights)
+    return launch(spmm, cfg.spmm, spmm_grid, "spmm", out_shape, x, *hidden, packed, *weights)

@@ -1,24 +1,17 @@
-"""TwELL pack of a dense activation that is already in HBM (the two-pass D2T).
+"""The pack kernel: a dense [M, N] activation in HBM -> TwELL words (the D2T stage).
 
-`d2t` fuses the pack into the gate GEMM's epilogue, where Triton has to move the
-scatter's operands out of the tensor-core accumulator layout. This kernel packs a
-[M, N] activation that XLA's GEMM wrote instead: every program packs a few [BM, 256]
-blocks of one tile in turn, loading each in a plain blocked layout (a few blocks ahead
-of the one being packed) and writing its positive entries into that tile's W words.
-By default ("grouped") each thread holds whole 8-column groups as bf16 pairs in uint32
-registers, finds a group's entries as the set bits of one integer (two elements per
-instruction), and the rare entries go out in one small scatter per entry rank
-(0.41 ms at M=131072 and ~29 non-zeros per row on the H200 back to back, against
-0.35 ms for XLA to read the same array and 0.50 ms for the same layout with
-per-element keys; with single calls, 0.89-1.03 ms for one entry per row per round
-(`tile_select`) and 1.24-1.32 ms for the whole-tile prefix count and scatter of
-`method="cumsum"`). Programs are independent (one per (row
-blocks, tile)), so nothing serialises across N.
+XLA's (cuBLAS) gate GEMM writes the bf16 activation, then this kernel packs it
+(docs/design.md §4.1). Each program packs `steps` [BM, 256] blocks of one tile in turn,
+loading a few blocks ahead of the one being packed, and writes the positive entries
+into that tile's W words. Each thread holds whole 8-column groups as bf16 pairs in
+uint32 registers, finds a group's entries as the set bits of one integer (two
+elements per instruction), and the rare entries go out in one small scatter per entry
+rank. Programs are independent (one per (row blocks, tile)), so nothing serialises
+across N.
 
-The extra traffic is one bf16 write and read of [M, N] (its HBM floor is about
-0.35 ms at M=131072, N=5632 on an H200); what it buys is an XLA (cuBLAS) GEMM
-instead of a Pallas one with a heavy epilogue. `experiments/benchmark.py
---mode=kernel` times both paths.
+The cost over fusing the pack into the GEMM epilogue (`pallas_kernels.baselines`) is
+one bf16 write and read of [M, N]; what it buys is the XLA GEMM instead of a Pallas one
+with a scatter epilogue that Triton lowers poorly (docs/performance_notes.md, "Pack").
 """
 
 from __future__ import annotations
@@ -33,41 +26,26 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _triton as tr
 from pallas_kernels import reference
-from pallas_kernels import tile_select as ts
 from pallas_kernels import twell_format as fmt
-
-METHODS = ("grouped", "select", "cumsum", "matmul")
 
 
 @dataclasses.dataclass(frozen=True)
 class PackConfig:
     """Launch parameters of the pack kernel.
 
-    block_m rows x one 256-column tile per block, `steps` blocks one after the other
+    block_m rows x one 256-column tile per block; `steps` blocks one after the other
     per program, with the loads of the next `ahead` blocks in flight while one is
-    packed (steps must be a multiple of ahead + 1: the loop is unrolled that much);
-    method is how entries reach their words:
-    - "grouped" (default): the tile is read as [block_m, 256 / group, group / 2] bf16
-      pairs (uint32; group in 2..16); each thread holds whole groups, a group's
-      entries are the set bits of one int32, and round r scatters every group's r-th
-      entry at its prefix count over groups (one round per entry of the busiest
-      group: one or two at ~0.5% density). A +NaN counts as an entry (it propagates,
-      as through the dense MLP's ReLU); the other methods drop it.
-    - "select" (`tile_select`): one row-wise min-reduction and one [block_m] store
-      per entry of the fullest row;
-    - a scatter of the whole tile at in-tile prefix counts taken by "cumsum" (a
-      Triton scan) or "matmul" (against an upper-triangular ones matrix).
-    H200, M=131072, N=5632, ~29 entries per row (results/NOTES.md, sessions 10-12):
-    grouped 1 row / 1 warp / 16 steps / 3 ahead 0.46 ms back to back (0.66 single
-    calls; 0.41 with whole-sector stores), 2 / 1 / 8 / 1 0.48 (0.69), the session-11
-    per-element keys 0.50 (0.70);
-    select 8 / 4 warps 0.89-1.03 (single), cumsum 1.32, matmul 3.4x cumsum ("matmul"
-    needs block_m >= 16).
+    packed (steps must be a multiple of ahead + 1: the loop is unrolled that much).
+    The tile is read as [block_m, 256 / group, group / 2] bf16 pairs (uint32; group a
+    power of two in 2..16); each thread holds whole groups, a group's entries are the
+    set bits of one int32, and round r scatters every group's r-th entry at its prefix
+    count over groups (one round per entry of the busiest group). A +NaN counts as an
+    entry (it propagates, as through the dense MLP's ReLU). The defaults are the
+    fastest launch measured (docs/performance_notes.md, "Pack").
     """
 
     block_m: int = 1
     num_warps: int = 1
-    method: str = "grouped"
     group: int = 8
     steps: int = 16
     ahead: int = 3
@@ -142,10 +120,9 @@ def _store_counts(o_ref, c_ref, at, count, row_ok):
     With c_ref = (counts ref [1, rows],), the counts also go there (stats without
     reading the words back).
 
-    With the count word alone the pack took 0.413 ms against 0.345 with no stores at
-    all, and 0.409 with this fill against 0.460 without (M=131072; results/
-    s12_pack_floor.json, s12_pack_sector.json), presumably because L2 has to read a
-    partly written sector from DRAM to merge it before writing it back.
+    Writing whole sectors is faster than writing the count word alone: L2 would have
+    to read a partly written sector from DRAM to merge it before writing it back
+    (docs/performance_notes.md, "Pack").
     """
     if c_ref:
         tr.store(c_ref[0].at[pl.ds(0, 1), at], count[None, :], mask=row_ok[None, :])
@@ -156,13 +133,13 @@ def _store_counts(o_ref, c_ref, at, count, row_ok):
     tr.store(o_ref.at[at, pl.ds(0, SECTOR_WORDS)], value, mask=keep)
 
 
-def _grouped_kernel(w_ref, o_ref, *c_ref, m, block_m, slots, steps, ahead):
+def _pack_kernel(w_ref, o_ref, *c_ref, m, block_m, slots, steps, ahead):
     """w_ref [steps * BM, 256 / S, S / 2] uint32 (bf16 pairs) -> o_ref [steps * BM, W]
     (and the counts, c_ref [1, steps * BM] int32, when asked for)."""
     tile = pl.program_id(0)
 
     def pack_block(words, at, row_ok):
-        count = _pack_grouped_block(words, o_ref, at, row_ok, tile, slots)
+        count = _pack_entries(words, o_ref, at, row_ok, tile, slots)
         _store_counts(o_ref, c_ref, at, count, row_ok)
 
     _for_each_block(w_ref, pack_block, m=m, block_m=block_m, steps=steps, ahead=ahead)
@@ -190,7 +167,7 @@ def _lowest_bit(bits: jax.Array) -> jax.Array:
     return 31 - lax.clz(bits & -bits)
 
 
-def _pack_grouped_block(words, o_ref, at, row_ok, tile, slots):
+def _pack_entries(words, o_ref, at, row_ok, tile, slots):
     """words [BM, 256 / S, S / 2] uint32 -> the entries of o_ref[at] [BM, W] uint32.
 
     Returns the rows' true counts, int32 [BM] (the caller stores the count words).
@@ -228,56 +205,6 @@ def _pack_grouped_block(words, o_ref, at, row_ok, tile, slots):
     return count
 
 
-def _pack_kernel(h_ref, o_ref, *c_ref, m, block_m, slots, method, steps, ahead):
-    """h_ref [steps * BM, 256] (bf16) -> o_ref [steps * BM, W] uint32: one tile (and
-    c_ref as in `_grouped_kernel`)."""
-    tile = pl.program_id(0)
-    lane = jnp.arange(fmt.TILE, dtype=jnp.int32)
-
-    def pack_block(h, at, row_ok):
-        positive = h > 0
-        count = jnp.sum(positive.astype(jnp.int32), axis=1)
-        if method == "select":
-            keys = ts.entry_keys(h, positive, lane)
-            _select_into_words(o_ref, h, keys, count, tile, slots, at)
-        else:
-            _scatter_into_words(o_ref, h, positive, lane, tile, slots, method, at)
-        _store_counts(o_ref, c_ref, at, count, row_ok)
-
-    _for_each_block(h_ref, pack_block, m=m, block_m=block_m, steps=steps, ahead=ahead)
-
-
-def _select_into_words(o_ref, h, keys, count, tile, slots, at):
-    """Entry j of every row goes to word j + 1, one round per entry (`tile_select`).
-
-    keys: the tile's `tile_select.entry_keys` of the bf16 block h [BM, 256]; at: the
-    rows of o_ref.
-    """
-
-    def store_round(j, key):
-        words = fmt.encode_words(ts.key_value(key, h, None), tile * fmt.TILE + ts.key_lane(key))
-        ok = key != ts.NO_ENTRY
-        tr.store(o_ref.at[at, pl.ds(j + 1, 1)], words[:, None], mask=ok[:, None])
-
-    ts.for_each_entry(keys, jnp.minimum(jnp.max(count), slots - 1), store_round)
-
-
-def _scatter_into_words(o_ref, h, positive, lane, tile, slots, prefix, at):
-    """Every positive element is scattered to word = its in-tile prefix count."""
-    rows = _rows_of(at, h.shape[0])
-    if prefix == "matmul":
-        upper_ones = (lane[:, None] <= lane[None, :]).astype(jnp.bfloat16)
-        inclusive = jnp.dot(
-            positive.astype(jnp.bfloat16), upper_ones, preferred_element_type=jnp.float32
-        ).astype(jnp.int32)
-    else:
-        inclusive = jnp.cumsum(positive.astype(jnp.int32), axis=1)
-    keep = positive & (inclusive < slots)  # slot = inclusive: word 0 is the count
-    slot = jnp.where(keep, inclusive, fmt.OUT_OF_TILE_SLOT)
-    words = fmt.encode_words(h, tile * fmt.TILE + lane[None, :])
-    tr.store(o_ref.at[rows[:, None], slot], words, mask=keep)
-
-
 def pack_supported(m: int, n: int, compression: int, cfg: PackConfig) -> str | None:
     """Why an [M, N] activation cannot be packed with `cfg`, or None when it can."""
     try:
@@ -288,16 +215,12 @@ def pack_supported(m: int, n: int, compression: int, cfg: PackConfig) -> str | N
         return f"M={m} tokens: need at least one"
     if not tr.is_pow2(cfg.block_m):
         return f"block_m={cfg.block_m} must be a power of two"
-    if cfg.method not in METHODS:
-        return f"method={cfg.method!r} must be one of {METHODS}"
     if not tr.is_pow2(cfg.group) or not 2 <= cfg.group <= 16:
         return f"group={cfg.group} must be a power of two in [2, 16]"
     if cfg.steps < 1:
         return f"steps={cfg.steps} must be >= 1"
     if cfg.steps > 1 and (cfg.ahead < 1 or cfg.steps % (cfg.ahead + 1)):
         return f"steps={cfg.steps} must be a multiple of ahead + 1 (ahead={cfg.ahead} >= 1)"
-    if cfg.method == "matmul" and cfg.block_m < 16:
-        return f"method='matmul' needs block_m >= 16 (a tensor-core dot), got {cfg.block_m}"
     return None
 
 
@@ -318,7 +241,7 @@ def pack_tiles(
       interpret: run the Pallas interpreter (None: only when there is no GPU).
       with_counts: also return the tile counts, tile-major. Statistics then reduce 4
         bytes per (row, tile) instead of reading a count word out of every tile's
-        32-byte sector (an XLA pass of 0.06 ms at M=131072 on the H200).
+        32-byte sector in another pass over the words.
 
     Returns:
       uint32 [M, N / C] TwELL words; word 0 of a tile keeps the true count, also past
@@ -337,27 +260,13 @@ def pack_tiles(
     slots = fmt.slots_per_tile(compression)
     rows = cfg.block_m * cfg.steps  # per program
     grid = (n // fmt.TILE, pl.cdiv(m, rows))
-    if cfg.method == "grouped":
-        kernel = functools.partial(
-            _grouped_kernel, m=m, block_m=cfg.block_m, slots=slots, steps=cfg.steps, ahead=cfg.ahead
-        )
-        # Free (row-major) views: bf16 pairs as uint32, each (row, tile) block [256 / S, S / 2].
-        pairs = lax.bitcast_convert_type(h.reshape(m, n // 2, 2), jnp.uint32)
-        h = pairs.reshape(m, n // cfg.group, cfg.group // 2)
-        in_spec = pl.BlockSpec(
-            (rows, fmt.TILE // cfg.group, cfg.group // 2), lambda t, i: (i, t, 0)
-        )
-    else:
-        kernel = functools.partial(
-            _pack_kernel,
-            m=m,
-            block_m=cfg.block_m,
-            slots=slots,
-            method=cfg.method,
-            steps=cfg.steps,
-            ahead=cfg.ahead,
-        )
-        in_spec = pl.BlockSpec((rows, fmt.TILE), lambda t, i: (i, t))
+    kernel = functools.partial(
+        _pack_kernel, m=m, block_m=cfg.block_m, slots=slots, steps=cfg.steps, ahead=cfg.ahead
+    )
+    # Free (row-major) views: bf16 pairs as uint32, each (row, tile) block [256 / S, S / 2].
+    pairs = lax.bitcast_convert_type(h.reshape(m, n // 2, 2), jnp.uint32)
+    h = pairs.reshape(m, n // cfg.group, cfg.group // 2)
+    in_spec = pl.BlockSpec((rows, fmt.TILE // cfg.group, cfg.group // 2), lambda t, i: (i, t, 0))
     out_shape = [jax.ShapeDtypeStruct((m, fmt.packed_width(n, compression)), jnp.uint32)]
     out_specs = [pl.BlockSpec((rows, slots), lambda t, i: (i, t))]
     if with_counts:
@@ -385,15 +294,15 @@ def gate_then_pack(
     interpret: bool | None = None,
     with_counts: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
-    """The two-pass D2T: XLA's bf16 gate GEMM x Wg^T, then `pack_tiles`.
+    """D2T: XLA's bf16 gate GEMM relu(x Wg^T), then `pack_tiles` (docs/design.md §4.1).
 
     Args:
       x: [M, H] bf16; w_gate: [N, H] bf16.
       with_counts: as in `pack_tiles`.
 
     Returns:
-      uint32 [M, N / C]: the words of `d2t` (up to the GEMMs' summation order), and
-      with counts also int32 [N / 256, M] as in `pack_tiles`.
+      uint32 [M, N / C]: `format.pack` of the dense bf16 gate, and with counts also
+      int32 [N / 256, M] as in `pack_tiles`.
     """
     return pack_tiles(
         reference.hidden(x, w_gate),

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import reference
-from pallas_kernels.d2t import D2TConfig
+from pallas_kernels.baselines import D2TConfig
 from pallas_kernels.twell_pack import PackConfig
 
 INTERPRET_AND_GPU = [
@@ -14,8 +14,6 @@ INTERPRET_AND_GPU = [
 ]
 SMALL_D2T = D2TConfig(block_m=64, block_k=64, chunk=128, num_warps=4, num_stages=2)
 SMALL_PACK = PackConfig(block_m=4, num_warps=2, steps=4, ahead=3)
-# Both forms of the ops' D2T stage: the fused kernel and XLA GEMM + pack kernel.
-D2T_FORMS = [pytest.param(SMALL_D2T, id="fused"), pytest.param(SMALL_PACK, id="two_pass")]
 BF16_FACTOR = 1.5
 SCALE_ATOL = 1e-3
 

@@ -1,17 +1,16 @@
-"""D2T and (Gated)T2D kernels against dense jnp references.
+"""(Gated)T2D kernels (TwELL SDDMM and SpMM) against dense jnp references.
 
 Two kinds of numeric checks:
 - exact: integer-valued bf16 inputs make every product and partial sum exact in fp32,
   so the kernels must reproduce the dense bf16 reference bit for bit (any indexing,
   masking or packing mistake shows up as a mismatch);
-- random: normal inputs; the bf16 rule (style.md): the kernel's error against an fp32
-  truth is at most 1.5x the dense bf16 reference's own error, plus 1e-3 of the scale.
+- random: normal inputs; the bf16 rule: the kernel's error against an fp32 truth is
+  at most 1.5x the dense bf16 reference's own error, plus 1e-3 of the scale.
 
 Each runs in the Pallas interpreter (CPU CI) and, marked `gpu`, compiled on the GPU.
 """
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -21,75 +20,11 @@ import pytest
 from pallas_kernels import reference
 from pallas_kernels import t2d as t2d_mod
 from pallas_kernels import twell_format as fmt
-from pallas_kernels.d2t import d2t
-from pallas_kernels.t2d import RowLaunch, T2DConfig, t2d
-from tests.kernel_cases import (
-    INTERPRET_AND_GPU,
-    SMALL_D2T,
-    assert_bf16_close,
-    integer_mlp,
-)
+from pallas_kernels._gather import RowLaunch
+from pallas_kernels.t2d import T2DConfig, t2d
+from pallas_kernels.twell_pack import gate_then_pack
+from tests.kernel_cases import INTERPRET_AND_GPU, assert_bf16_close, integer_mlp
 from tests.lowering import count_triton_calls
-
-# ----------------------------------------------------------------------------- D2T
-
-
-@pytest.mark.parametrize("interpret", INTERPRET_AND_GPU)
-@pytest.mark.parametrize("compression", fmt.COMPRESSIONS)
-@pytest.mark.parametrize(("m", "bias"), [(77, 12.0), (130, 0.0)])
-def test_d2t_packs_exactly(interpret, compression, m, bias):
-    """Odd M (masked row block), sparse and ~50%-dense (overflowing) gates, empty rows."""
-    x, wg, _, _ = integer_mlp(0, m, 128, 512, bias)
-    x = x.at[5].set(0)  # all-zero row: no positives at all
-    packed = d2t(x, wg, compression=compression, cfg=SMALL_D2T, interpret=interpret)
-    expected = fmt.pack(reference.hidden(x, wg), compression)
-    np.testing.assert_array_equal(
-        np.asarray(fmt.tile_counts(packed, compression)),
-        np.asarray(fmt.tile_counts(expected, compression)),
-    )
-    # Payload words up to each tile's (clamped) count: same entries, same order.
-    np.testing.assert_array_equal(
-        np.asarray(fmt.unpack(packed, 512, compression)),
-        np.asarray(fmt.unpack(expected, 512, compression)),
-    )
-    w = fmt.slots_per_tile(compression)
-    got = np.asarray(packed).reshape(m, -1, w)
-    want = np.asarray(expected).reshape(m, -1, w)
-    used = np.arange(w)[None, None, :] <= np.minimum(want[:, :, :1], w - 1)
-    np.testing.assert_array_equal(got[used], want[used])
-
-
-@pytest.mark.parametrize("interpret", INTERPRET_AND_GPU)
-def test_d2t_full_tiles_overflow_with_true_count(interpret):
-    x = jnp.ones((64, 64), jnp.bfloat16)
-    wg = jnp.ones((256, 64), jnp.bfloat16)  # every entry positive: count 256 per tile
-    packed = d2t(x, wg, compression=8, cfg=SMALL_D2T, interpret=interpret)
-    np.testing.assert_array_equal(np.asarray(fmt.tile_counts(packed, 8)), 256)
-
-
-@pytest.mark.parametrize("interpret", INTERPRET_AND_GPU)
-def test_d2t_random_matches_dense_relu(interpret):
-    rng = np.random.default_rng(1)
-    x = rng.standard_normal((96, 256))
-    x[:, 0] = 1.0
-    wg = rng.standard_normal((512, 256)) * 0.05
-    wg[:, 0] = -0.4  # ~30% density: 80 of the 127 slots per tile at C=2
-    x, wg = jnp.asarray(x, jnp.bfloat16), jnp.asarray(wg, jnp.bfloat16)
-    packed = d2t(x, wg, compression=2, cfg=SMALL_D2T, interpret=interpret)
-    gate = reference.hidden(x, wg).astype(jnp.float32)
-    decoded = fmt.unpack(packed, 512, 2).astype(jnp.float32)
-    # fp32 summation order differs from XLA's: values agree to bf16 rounding, and an
-    # entry may only be missing/extra where the exact value is within rounding of 0.
-    np.testing.assert_allclose(np.asarray(decoded), np.asarray(gate), rtol=1e-2, atol=1e-3)
-
-
-def test_d2t_rejects_unsupported_shapes():
-    x = jnp.zeros((8, 96), jnp.bfloat16)
-    with pytest.raises(ValueError, match="multiple of block_k"):
-        d2t(x, jnp.zeros((256, 96), jnp.bfloat16), interpret=True)
-    with pytest.raises(ValueError, match="multiple of the TwELL tile"):
-        d2t(jnp.zeros((8, 64), jnp.bfloat16), jnp.zeros((320, 64), jnp.bfloat16), interpret=True)
-
 
 # ----------------------------------------------------------------------------- T2D
 
@@ -112,52 +47,42 @@ def test_t2d_rejects_bad_launches(cfg, message):
         t2d(jnp.zeros((4, 64), jnp.bfloat16), packed, (w, w, w), cfg=cfg, interpret=True)
 
 
-# The two launch plans: SDDMM + SpMM (default) and the fused kernel. The small block_h
-# of the split plan's SpMM gives several H blocks per row at test widths.
-PLANS = {
-    "split": T2DConfig(spmm=RowLaunch(group=4, num_warps=1, block_h=64)),
-    "split_compact": T2DConfig(spmm=RowLaunch(group=4, num_warps=1, block_h=64), compact_h=True),
-    "fused": T2DConfig(split=False),
-}
-plans = pytest.mark.parametrize("plan", list(PLANS))
+# The small block_h of the SpMM gives several H blocks per row at test widths.
+SMALL_T2D = T2DConfig(spmm=RowLaunch(group=4, num_warps=1, block_h=64))
 
 
 @pytest.mark.parametrize("interpret", INTERPRET_AND_GPU)
 @pytest.mark.parametrize("compression", fmt.COMPRESSIONS)
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
 @pytest.mark.parametrize("bias", [12.0, 0.0], ids=["sparse", "overflowing"])
-@plans
-def test_t2d_exact(interpret, compression, gated, bias, plan):
+def test_t2d_exact(interpret, compression, gated, bias):
     """Bitwise equal to the dense MLP on integer inputs, overflowed tiles included."""
     x, ws, wu, wd = integer_mlp(2, 21, 128, 512, bias)
     x = x.at[4].set(0)
     weights = (ws, wu, wd) if gated else (ws, wd)
     packed = _packed(x, ws, compression)
-    out = t2d(x, packed, weights, compression=compression, cfg=PLANS[plan], interpret=interpret)
+    out = t2d(x, packed, weights, compression=compression, cfg=SMALL_T2D, interpret=interpret)
     want = reference.gated_mlp(x, *weights) if gated else reference.mlp(x, *weights)
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
 
 
 @pytest.mark.parametrize("interpret", INTERPRET_AND_GPU)
-@pytest.mark.parametrize("high_precision", [False, True], ids=["bf16", "hp"])
+@pytest.mark.parametrize("compression", [8, 2])
 @pytest.mark.parametrize("bias", [12.0, 0.0], ids=["sparse", "overflowing"])
-def test_t2d_in_place_sddmm(interpret, high_precision, bias):
-    """h written over the gate's words (compact_h=False) gives the compact list's
-    output, and a gate the caller still holds is left as it was (XLA copies it first)."""
+def test_t2d_exact_high_precision(interpret, compression, bias):
+    """Integer inputs, fp32 u and h: only the gate (bf16 in the format) and the output
+    are rounded, on the listed entries and on the overflowed tiles' dense path alike."""
     x, ws, wu, wd = integer_mlp(2, 21, 128, 512, bias)
-    packed = _packed(x, ws, 8)
-    before = np.asarray(packed)
-    run = lambda in_place: t2d(
-        x, packed, (ws, wu, wd), high_precision=high_precision, interpret=interpret,
-        cfg=T2DConfig(spmm=RowLaunch(group=4, num_warps=1, block_h=64), compact_h=not in_place),
+    x = x.at[4].set(0)
+    packed = _packed(x, ws, compression)
+    out = t2d(
+        x, packed, (ws, wu, wd), compression=compression, high_precision=True, cfg=SMALL_T2D,
+        interpret=interpret,
     )  # fmt: skip
-    np.testing.assert_array_equal(np.asarray(run(True)), np.asarray(run(False)))
-    np.testing.assert_array_equal(np.asarray(packed), before)
-    if not high_precision:  # the dense MLP rounds h to bf16, as the bf16 kernels do
-        want = reference.gated_mlp(x, ws, wu, wd)
-        np.testing.assert_array_equal(
-            np.asarray(run(True), np.float32), np.asarray(want, np.float32)
-        )
+    f32 = lambda a: np.asarray(a, np.float32)
+    gate = f32(reference.hidden(x, ws))  # the bf16 gate the format holds
+    want = ((gate * (f32(x) @ f32(wu).T)) @ f32(wd)).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(f32(out), f32(want))
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -181,13 +106,10 @@ def test_t2d_entry_positions_match_a_tile_walk(seed):
 
 @pytest.mark.parametrize("interpret", INTERPRET_AND_GPU)
 @pytest.mark.parametrize("group", [1, 2, 8])
-@plans
-def test_t2d_entry_groups(interpret, group, plan):
+def test_t2d_entry_groups(interpret, group):
     x, ws, wu, wd = integer_mlp(3, 9, 128, 768, 10.0)
     one = RowLaunch(group=group, num_warps=1, block_h=64)
-    cfg = dataclasses.replace(
-        PLANS[plan], sddmm=one, spmm=one, fused=RowLaunch(group=group, num_warps=4, block_h=64)
-    )
+    cfg = dataclasses.replace(SMALL_T2D, sddmm=one, spmm=one)
     out = t2d(
         x,
         _packed(x, ws, 4),
@@ -203,22 +125,19 @@ def test_t2d_entry_groups(interpret, group, plan):
 
 @pytest.mark.parametrize("interpret", INTERPRET_AND_GPU)
 @pytest.mark.parametrize("h", [1024, 2048, 192])
-@plans
-def test_t2d_d_model_sizes(interpret, h, plan):
+def test_t2d_d_model_sizes(interpret, h):
     """Production H, another power of two, and a non-power-of-two H (chunked loads)."""
     x, ws, wu, wd = integer_mlp(4, 4, h, 256, 0.0, gated_bias=False)
     x = x.at[:, 1:].set(jnp.clip(x[:, 1:], -1, 1))
     ws = ws.at[:, 0].set(-float(h) / 8)
     # production block_h: H=2048 gives 2 SpMM blocks
-    cfg = T2DConfig(split=plan != "fused", compact_h=plan == "split_compact")
-    out = t2d(x, _packed(x, ws, 8), (ws, wu, wd), compression=8, cfg=cfg, interpret=interpret)
+    out = t2d(x, _packed(x, ws, 8), (ws, wu, wd), compression=8, interpret=interpret)
     assert_bf16_close(out, x, (ws, wu, wd), gated=True)
 
 
 @pytest.mark.parametrize("interpret", INTERPRET_AND_GPU)
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
-@plans
-def test_t2d_random_bf16_rule(interpret, gated, plan):
+def test_t2d_random_bf16_rule(interpret, gated):
     rng = np.random.default_rng(5)
     m, h, n = 16, 256, 512
     x = rng.standard_normal((m, h)).astype(np.float32)
@@ -228,13 +147,12 @@ def test_t2d_random_bf16_rule(interpret, gated, plan):
     wu, wd = (rng.standard_normal((n, h)) * 0.06 for _ in range(2))
     x, ws, wu, wd = (jnp.asarray(a, jnp.bfloat16) for a in (x, ws, wu, wd))
     weights = (ws, wu, wd) if gated else (ws, wd)
-    out = t2d(x, _packed(x, ws, 8), weights, compression=8, cfg=PLANS[plan], interpret=interpret)
+    out = t2d(x, _packed(x, ws, 8), weights, compression=8, cfg=SMALL_T2D, interpret=interpret)
     assert_bf16_close(out, x, weights, gated)
 
 
 @pytest.mark.parametrize("interpret", INTERPRET_AND_GPU)
-@plans
-def test_t2d_high_precision_is_closer_to_fp32(interpret, plan):
+def test_t2d_high_precision_is_closer_to_fp32(interpret):
     rng = np.random.default_rng(6)
     x = jnp.asarray(rng.standard_normal((8, 128)), jnp.bfloat16).at[:, 0].set(1)
     ws, wu, wd = (
@@ -245,7 +163,7 @@ def test_t2d_high_precision_is_closer_to_fp32(interpret, plan):
     gate = reference.hidden(x, ws).astype(jnp.float32)
     up = jnp.dot(x.astype(jnp.float32), wu.astype(jnp.float32).T)
     truth = jnp.dot(gate * up, wd.astype(jnp.float32))
-    cfg = PLANS[plan]
+    cfg = SMALL_T2D
     hp = t2d(
         x, packed, (ws, wu, wd), compression=4, high_precision=True, cfg=cfg, interpret=interpret
     )
@@ -263,17 +181,9 @@ M_PROD, H_PROD, N_PROD = 16384, 2048, 5632
 
 
 @pytest.mark.parametrize("compression", fmt.COMPRESSIONS)
-def test_d2t_lowers_for_cuda(compression):
-    args = (jnp.zeros((M_PROD, H_PROD), jnp.bfloat16), jnp.zeros((N_PROD, H_PROD), jnp.bfloat16))
-    fn = functools.partial(d2t, compression=compression, interpret=False)
-    assert count_triton_calls(fn, *args) == 1
-
-
-@pytest.mark.parametrize("compression", fmt.COMPRESSIONS)
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
 @pytest.mark.parametrize("high_precision", [False, True], ids=["bf16", "hp"])
-@pytest.mark.parametrize("split", [True, False], ids=["split", "fused"])
-def test_t2d_lowers_for_cuda(compression, gated, high_precision, split):
+def test_t2d_lowers_for_cuda(compression, gated, high_precision):
     x = jnp.zeros((M_PROD, H_PROD), jnp.bfloat16)
     packed = jnp.zeros((M_PROD, N_PROD // compression), jnp.uint32)
     w = jnp.zeros((N_PROD, H_PROD), jnp.bfloat16)
@@ -286,27 +196,11 @@ def test_t2d_lowers_for_cuda(compression, gated, high_precision, split):
             weights,
             compression=compression,
             high_precision=high_precision,
-            cfg=T2DConfig(split=split),
             interpret=False,
         )
 
-    # split gated: SDDMM then SpMM; split non-gated: the SpMM alone; fused: one kernel.
-    assert count_triton_calls(fn, x, packed, *weights) == (2 if split and gated else 1)
-
-
-@pytest.mark.parametrize("compression", fmt.COMPRESSIONS)
-@pytest.mark.parametrize("high_precision", [False, True], ids=["bf16", "hp"])
-def test_t2d_lowers_for_cuda_with_h_in_place(compression, high_precision):
-    """The SDDMM writing h over the gate's words (the compact list is the default)."""
-    x = jnp.zeros((M_PROD, H_PROD), jnp.bfloat16)
-    packed = jnp.zeros((M_PROD, N_PROD // compression), jnp.uint32)
-    w = jnp.zeros((N_PROD, H_PROD), jnp.bfloat16)
-    cfg = T2DConfig(compact_h=False)
-    fn = lambda x, p, a, b, c: t2d(
-        x, p, (a, b, c), compression=compression, high_precision=high_precision, cfg=cfg,
-        interpret=False,
-    )  # fmt: skip
-    assert count_triton_calls(fn, x, packed, w, w, w) == 2
+    # gated: SDDMM then SpMM; non-gated: the SpMM alone.
+    assert count_triton_calls(fn, x, packed, *weights) == (2 if gated else 1)
 
 
 def test_t2d_lowers_for_cuda_at_non_power_of_two_width():
@@ -323,7 +217,7 @@ def test_gpu_production_shape_against_dense():
     from experiments.bench_util import synthetic_mlp
 
     x, wg, wu, wd = synthetic_mlp(4099, H_PROD, N_PROD, 30.0)
-    packed = jax.jit(lambda x, w: d2t(x, w))(x, wg)
+    packed = jax.jit(lambda x, w: gate_then_pack(x, w))(x, wg)
     np.testing.assert_array_equal(
         np.asarray(fmt.unpack(packed, N_PROD, 8) != 0),
         np.asarray(reference.hidden(x, wg) != 0),

@@ -10,7 +10,7 @@ import pytest
 
 import pallas_kernels as pk
 from pallas_kernels import reference
-from tests.kernel_cases import D2T_FORMS, INTERPRET_AND_GPU, integer_mlp
+from tests.kernel_cases import INTERPRET_AND_GPU, SMALL_PACK, integer_mlp
 from tests.lowering import count_triton_calls
 
 
@@ -19,14 +19,11 @@ def _impl(interpret):
 
 
 @pytest.mark.parametrize("interpret", INTERPRET_AND_GPU)
-@pytest.mark.parametrize("d2t_config", D2T_FORMS)
 @pytest.mark.parametrize("bias", [10.0, 0.0], ids=["sparse", "overflowing"])
-def test_gated_op_exact_with_leading_dims_and_stats(interpret, d2t_config, bias):
+def test_gated_op_exact_with_leading_dims_and_stats(interpret, bias):
     x, wg, wu, wd = integer_mlp(0, 30, 128, 512, bias)
     x3 = x.reshape(2, 15, 128)
-    out, stats = pk.twell_gated_mlp(
-        x3, wg, wu, wd, impl=_impl(interpret), return_stats=True, d2t_config=d2t_config
-    )
+    out, stats = pk.twell_gated_mlp(x3, wg, wu, wd, impl=_impl(interpret), return_stats=True)
     assert out.shape == x3.shape and out.dtype == jnp.bfloat16
     want = reference.gated_mlp(x, wg, wu, wd).reshape(x3.shape)
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
@@ -40,26 +37,24 @@ def test_gated_op_exact_with_leading_dims_and_stats(interpret, d2t_config, bias)
 
 
 @pytest.mark.parametrize("interpret", INTERPRET_AND_GPU)
-@pytest.mark.parametrize("d2t_config", D2T_FORMS)
 @pytest.mark.parametrize("compression", [8, 2])
-def test_nongated_op_exact(interpret, d2t_config, compression):
+def test_nongated_op_exact(interpret, compression):
     x, wu, _, wd = integer_mlp(1, 19, 128, 256, 8.0)
     out = pk.twell_mlp(
-        x, wu, wd, compression=compression, impl=_impl(interpret), d2t_config=d2t_config
+        x, wu, wd, compression=compression, impl=_impl(interpret), d2t_config=SMALL_PACK
     )
     np.testing.assert_array_equal(
         np.asarray(out, np.float32), np.asarray(reference.mlp(x, wu, wd), np.float32)
     )
 
 
-@pytest.mark.parametrize("d2t_config", D2T_FORMS)
 @pytest.mark.parametrize("gated", [True, False])
-def test_xla_impl_matches_kernels_and_stats(d2t_config, gated):
+def test_xla_impl_matches_kernels_and_stats(gated):
     x, ws, wu, wd = integer_mlp(2, 12, 128, 512, 6.0)
     weights = (ws, wu, wd) if gated else (ws, wd)
     op = pk.twell_gated_mlp if gated else pk.twell_mlp
     out_x, st_x = op(x, *weights, impl="xla", return_stats=True)
-    out_i, st_i = op(x, *weights, impl="interpret", return_stats=True, d2t_config=d2t_config)
+    out_i, st_i = op(x, *weights, impl="interpret", return_stats=True)
     np.testing.assert_array_equal(np.asarray(out_x, np.float32), np.asarray(out_i, np.float32))
     for a, b in zip(st_x, st_i, strict=True):
         assert float(a) == float(b)

@@ -1,4 +1,4 @@
-"""The pack kernel (two-pass D2T) against the jnp oracle `twell_format.pack`.
+"""The pack kernel (D2T after XLA's gate GEMM) against the jnp oracle `format.pack`.
 
 Packing copies bf16 values, so the checks are exact: true counts, then every payload
 word up to each tile's clamped count. Each runs in the Pallas interpreter (CPU CI)
@@ -13,15 +13,8 @@ import pytest
 
 from pallas_kernels import reference
 from pallas_kernels import twell_format as fmt
-from pallas_kernels.d2t import d2t
-from pallas_kernels.twell_pack import (
-    METHODS,
-    PackConfig,
-    _positive_bits,
-    gate_then_pack,
-    pack_tiles,
-)
-from tests.kernel_cases import INTERPRET_AND_GPU, SMALL_D2T, SMALL_PACK, integer_mlp
+from pallas_kernels.twell_pack import PackConfig, _positive_bits, gate_then_pack, pack_tiles
+from tests.kernel_cases import INTERPRET_AND_GPU, SMALL_PACK, integer_mlp
 from tests.lowering import count_triton_calls
 
 
@@ -86,22 +79,8 @@ def test_pack_matches_oracle(interpret, compression, m):
         PackConfig(block_m=4, num_warps=2, steps=4),  # 45 rows: the last program overhangs
         PackConfig(block_m=8, num_warps=4, steps=2, ahead=1),
         PackConfig(block_m=1, num_warps=1, steps=8, ahead=3),  # 45 = 5 x 8 + 5 rows
-        PackConfig(block_m=32, num_warps=8, method="select", steps=1),
-        PackConfig(block_m=4, num_warps=1, method="select", steps=4),
-        PackConfig(block_m=32, num_warps=8, method="cumsum", steps=1),
-        PackConfig(block_m=16, method="matmul", steps=2, ahead=1),
     ],
-    ids=[
-        "grouped_bm32_g4",
-        "grouped_bm4_g16",
-        "grouped_bm4_x4",
-        "grouped_bm8_x2",
-        "grouped_bm1_x8_ahead3",
-        "select_bm32",
-        "select_bm4_x4",
-        "cumsum_bm32",
-        "matmul_bm16",
-    ],
+    ids=["bm32_g4", "bm4_g16", "bm4_x4", "bm8_x2", "bm1_x8_ahead3"],
 )
 def test_pack_configs(interpret, cfg):
     h = _adversarial(7, 45, 512)
@@ -114,8 +93,8 @@ def test_pack_configs(interpret, cfg):
     _assert_counts(counts, fmt.pack(h, 4), 4)
 
 
-def _grouped_tiers(m=24, n=512):
-    """Row blocks of 8 needing 1, 2 and 3 rounds of the grouped method (groups of 8).
+def _round_tiers(m=24, n=512):
+    """Row blocks of 8 needing 1, 2 and 3 rounds of the pack (groups of 8).
 
     Rows 0-7: at most one entry per group (one round); row 1 has one in each of a
     tile's 32 groups, past the 31 slots of C=8. Rows 8-15: one group with two entries
@@ -138,24 +117,22 @@ def _grouped_tiers(m=24, n=512):
 @pytest.mark.parametrize("interpret", INTERPRET_AND_GPU)
 @pytest.mark.parametrize("compression", [8, 2])
 @pytest.mark.parametrize("steps", [1, 4])
-def test_pack_grouped_tiers(interpret, compression, steps):
+def test_pack_round_tiers(interpret, compression, steps):
     """Blocks needing one, two and three rounds, alone per program or in turns of one
     program's loop."""
-    h = _grouped_tiers()
-    cfg = PackConfig(block_m=8, num_warps=2, method="grouped", group=8, steps=steps)
+    h = _round_tiers()
+    cfg = PackConfig(block_m=8, num_warps=2, group=8, steps=steps)
     packed = pack_tiles(h, compression=compression, cfg=cfg, interpret=interpret)
     _assert_same_words(packed, fmt.pack(h, compression), h.shape[1], compression)
 
 
 @pytest.mark.parametrize("interpret", INTERPRET_AND_GPU)
 @pytest.mark.parametrize(("m", "bias"), [(77, 12.0), (130, 0.0)])
-def test_gate_then_pack_equals_fused_d2t(interpret, m, bias):
-    """Integer inputs: both D2T forms see the same exact gate, so the same words."""
+def test_gate_then_pack_matches_oracle(interpret, m, bias):
+    """Integer inputs: the exact gate, sparse and overflowing, packed as the oracle does."""
     x, wg, _, _ = integer_mlp(0, m, 128, 512, bias)
     x = x.at[5].set(0)
     two_pass = gate_then_pack(x, wg, compression=8, cfg=SMALL_PACK, interpret=interpret)
-    fused = d2t(x, wg, compression=8, cfg=SMALL_D2T, interpret=interpret)
-    _assert_same_words(two_pass, fused, 512, 8)
     _assert_same_words(two_pass, fmt.pack(reference.hidden(x, wg), 8), 512, 8)
 
 
@@ -167,14 +144,8 @@ def test_gate_then_pack_equals_fused_d2t(interpret, m, bias):
         (jnp.zeros((4, 320), jnp.bfloat16), {}, "multiple of the TwELL tile"),
         (jnp.zeros((4, 256), jnp.bfloat16), {"compression": 3}, "compression"),
         (jnp.zeros((4, 256), jnp.bfloat16), {"cfg": PackConfig(block_m=48)}, "power of two"),
-        (jnp.zeros((4, 256), jnp.bfloat16), {"cfg": PackConfig(method="scan")}, "method"),
         (jnp.zeros((4, 256), jnp.bfloat16), {"cfg": PackConfig(group=6)}, "group=6"),
         (jnp.zeros((4, 256), jnp.bfloat16), {"cfg": PackConfig(steps=0)}, "steps=0"),
-        (
-            jnp.zeros((4, 256), jnp.bfloat16),
-            {"cfg": PackConfig(method="matmul", block_m=8)},
-            "block_m >= 16",
-        ),
         (jnp.zeros((0, 256), jnp.bfloat16), {}, "at least one"),
         (jnp.zeros((4, 256), jnp.bfloat16), {"cfg": PackConfig(group=32)}, "group=32"),
         (
@@ -190,16 +161,15 @@ def test_pack_rejects_bad_inputs(h, kwargs, message):
 
 
 @pytest.mark.parametrize("compression", fmt.COMPRESSIONS)
-@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("m", [16384, 16383], ids=["whole_blocks", "partial_block"])
 @pytest.mark.parametrize("with_counts", [False, True], ids=["words", "with_counts"])
-def test_pack_lowers_for_cuda(compression, method, m, with_counts):
+def test_pack_lowers_for_cuda(compression, m, with_counts):
     """Production shape (N=5632) and the default block sizes; an odd M masks the load."""
     h = jnp.zeros((m, 5632), jnp.bfloat16)
     fn = functools.partial(
         pack_tiles,
         compression=compression,
-        cfg=PackConfig(method=method, block_m=16 if method == "matmul" else 2),
+        cfg=PackConfig(block_m=2),
         interpret=False,
         with_counts=with_counts,
     )
@@ -217,8 +187,8 @@ def test_pack_steps_lower_for_cuda(steps, ahead, m):
 
 
 @pytest.mark.gpu
-def test_gpu_production_shape_two_pass_equals_fused():
-    """H=2048, N=5632, odd M, ~30 non-zeros per row, default configs of both forms."""
+def test_gpu_production_shape():
+    """H=2048, N=5632, odd M, ~30 non-zeros per row, the default config."""
     from experiments.bench_util import synthetic_mlp
 
     x, wg, _, _ = synthetic_mlp(4099, 2048, 5632, 30.0)
@@ -226,15 +196,11 @@ def test_gpu_production_shape_two_pass_equals_fused():
     expected = fmt.pack(reference.hidden(x, wg), 8)
     _assert_same_words(two_pass, expected, 5632, 8)
     _assert_counts(counts, expected, 8)
-    # The fused kernel sums in another order: it may differ only at the ReLU boundary.
-    fused = d2t(x, wg)
-    differ = fmt.unpack(fused, 5632, 8) != fmt.unpack(two_pass, 5632, 8)
-    assert float(jnp.mean(differ)) < 1e-4
 
 
 @pytest.mark.parametrize("roll", [0, 1, 12345])
 def test_positive_bits_match_int16_compare_on_every_bf16(roll):
-    """The two-per-instruction test of the grouped pack against `int16(bits) > 0` on
+    """The two-per-instruction test of the pack against `int16(bits) > 0` on
     all 65536 bf16 bit patterns (zeros of both signs, NaNs, infinities, subnormals),
     each paired with another pattern in the same uint32."""
     bits = np.arange(1 << 16, dtype=np.uint16)
@@ -249,16 +215,14 @@ def test_positive_bits_match_int16_compare_on_every_bf16(roll):
 
 @pytest.mark.parametrize("interpret", INTERPRET_AND_GPU)
 def test_pack_nan_policy(interpret):
-    """The grouped pack keeps a +NaN as an entry (as the dense MLP's ReLU propagates
-    it); a -NaN, like any negative, is not one; the select method drops both."""
+    """The pack keeps a +NaN as an entry (as the dense MLP's ReLU propagates it); a
+    -NaN, like any negative, is not one."""
     h = np.zeros((8, 256), np.float32)
     h[0, 5], h[0, 7] = np.nan, 1.0
     h[1, 3], h[1, 9] = -np.nan, 2.0
     h = jnp.asarray(h, jnp.bfloat16)
-    grouped = pack_tiles(h, cfg=PackConfig(), interpret=interpret)
-    select = pack_tiles(h, cfg=PackConfig(block_m=8, method="select", steps=1), interpret=interpret)
-    assert np.asarray(fmt.tile_counts(grouped, 8))[:2, 0].tolist() == [2, 1]
-    assert np.asarray(fmt.tile_counts(select, 8))[:2, 0].tolist() == [1, 1]
-    dense = np.asarray(fmt.unpack(grouped, 256, 8), np.float32)
+    packed = pack_tiles(h, cfg=PackConfig(), interpret=interpret)
+    assert np.asarray(fmt.tile_counts(packed, 8))[:2, 0].tolist() == [2, 1]
+    dense = np.asarray(fmt.unpack(packed, 256, 8), np.float32)
     assert np.isnan(dense[0, 5]) and dense[0, 7] == 1.0 and dense[1, 9] == 2.0
     assert np.count_nonzero(np.nan_to_num(dense, nan=1.0)) == 3
