@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the GPU test suite, then the benchmarks.
 #   bash experiments/gpu_check.sh [tests|kernel|train|model|train_model|tune|train_tune|memory|quality|l1sweep|all]...
-# Results (JSON and logs) go to $OUT when set (the device tool), else results/.
+# Results (JSON and logs) go to $OUT when set, else results/ (README.md, "Reproduce").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results}
@@ -17,7 +17,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 status=0
 for what in "${@:-all}"; do
   case "$what" in
-    tests|all) python3 -m pytest -m gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" \
+    tests|all) python3 -m pytest -m gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_h200.log" \
                  || status=1 ;;&
     kernel|all) python3 -m experiments.benchmark --mode=kernel --out="$OUT/kernel_h200.json" \
                   || status=1 ;;&
@@ -33,7 +33,7 @@ for what in "${@:-all}"; do
     tune) python3 -m experiments.benchmark --mode=tune --out="$OUT/tune_h200.json" || status=1 ;;
     train_tune) python3 -m experiments.benchmark --mode=train_tune \
                   --out="$OUT/train_tune_h200.json" || status=1 ;;
-    quality)  # issue 3 (a): the 125M L1 run and its dense baseline; QUALITY_ARGS adds flags
+    quality)  # the 125M L1 run and its dense baseline; QUALITY_ARGS adds flags
       for cfg in 125m 125m_dense; do
         # QUALITY_TIMEOUT_S bounds each run: SIGINT makes the loop save and stop cleanly.
         # shellcheck disable=SC2086
@@ -44,7 +44,7 @@ for what in "${@:-all}"; do
         cp "/tmp/runs/$cfg/metrics.jsonl" "$OUT/${cfg}_metrics.jsonl"
         cp "/tmp/runs/$cfg/metrics.png" "$OUT/${cfg}_metrics.png"
       done ;;
-    l1sweep)  # issue 3 (a)/(b): 125M runs at each L1_SWEEP lambda, then their model body
+    l1sweep)  # 125M runs at each L1_SWEEP lambda, then their model body at real sparsity
       dirs=()
       for lam in ${L1_SWEEP:-2e-4 1e-3}; do
         dirs+=("/tmp/runs/125m_l1_$lam")
@@ -57,7 +57,7 @@ for what in "${@:-all}"; do
         cp "/tmp/runs/125m_l1_$lam/metrics.jsonl" "$OUT/125m_l1_${lam}_metrics.jsonl"
       done
       python3 -m experiments.benchmark --mode=model --model_presets= --reps=20 \
-        --model_workdirs="$(IFS=,; echo "${dirs[*]}")" --out="$OUT/model_trained_125m.json" \
+        --model_workdirs="$(IFS=,; echo "${dirs[*]}")" --out="$OUT/model_trained_125m_h200.json" \
         || status=1 ;;
   esac
 done

@@ -1,4 +1,4 @@
-"""Renders the README's results tables from the JSON under results/.
+"""Renders the result tables of docs/results.md from the benchmark JSON under results/.
 
 python -m experiments.results_table results/kernel_h200.json [results/train_h200.json]
 """
@@ -10,7 +10,7 @@ import sys
 
 
 def _also(case: dict, key: str, label: str) -> str:
-    """ "; <label> 1.234x" when the case has that ratio (files from session 12 on)."""
+    """ "; <label> 1.234x" when the case has that ratio (older kernel files lack some)."""
     return f"; {label} {case[key]:.3f}x" if key in case else ""
 
 
@@ -124,8 +124,8 @@ def main(paths: list[str]) -> None:
         if res.get("mode") not in TABLES:
             raise SystemExit(
                 f"{path}: not a --mode={'/'.join(TABLES)} benchmark output (mode="
-                f"{res.get('mode')!r}); the one-off A/B records (results/s*_*.json) hold "
-                "their numbers under 'results' and their script under 'script'"
+                f"{res.get('mode')!r}); the one-off A/B records under results/ hold their "
+                "numbers under 'results' (or top-level keys) and their script under 'script'"
             )
         print(f"`{res['command']}` ({res['device']}, jax {res['jax']}, {res['time']})\n")
         print(TABLES[res["mode"]](res))
