@@ -10,8 +10,6 @@ may legitimately change, e.g. total steps) and, if the latest step cannot be rea
 to the newest readable one and moves the unreadable directories aside (never deletes them).
 """
 
-import dataclasses
-import json
 import os
 import time
 from collections.abc import Iterable, Mapping
@@ -22,20 +20,17 @@ import jax
 import orbax.checkpoint as ocp
 from absl import logging
 
-# Config fields that may differ between the saved run and the resumed one. A key is ignored
-# if its full dotted path (e.g. "train.total_steps") or its last component is listed.
+from twell_jax.config import config_diff, config_to_dict
+
+# TrainConfig fields that may differ between the saved run and the resumed one (the run
+# length and the loop cadence). A key is ignored if its full dotted path (e.g.
+# "optim.total_steps") or its last component is listed.
 DEFAULT_IGNORE_KEYS = (
     "total_steps",
-    "num_steps",
-    "steps",
     "log_every",
     "eval_every",
     "eval_batches",
     "checkpoint_every",
-    "max_to_keep",
-    "checkpoint_dir",
-    "workdir",
-    "num_threads",
 )
 CORRUPT_SUFFIX = ".corrupt"
 
@@ -54,13 +49,11 @@ class Restored(NamedTuple):
     Attributes:
       state: the train-state pytree, laid out like the abstract target.
       data_state: the data iterator state (JSON dict), for `DataIterator.set_state`.
-      config: the saved config dict.
       step: the step restored (older than the latest if the latest was unreadable).
     """
 
     state: Any
     data_state: dict[str, Any]
-    config: dict[str, Any]
     step: int
 
 
@@ -111,7 +104,7 @@ class Checkpointer:
             args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state),
                 data=ocp.args.JsonSave(dict(data_state)),
-                config=ocp.args.JsonSave(_jsonable(config)),
+                config=ocp.args.JsonSave(config_to_dict(config)),
             ),
             force=True,  # the training loop decides the cadence
         )
@@ -145,7 +138,7 @@ class Checkpointer:
           ignore_keys: config keys (dotted paths or last components) allowed to differ.
 
         Returns:
-          A `Restored(state, data_state, config, step)`.
+          A `Restored(state, data_state, step)`.
 
         Raises:
           FileNotFoundError: there is no checkpoint (or not `step`).
@@ -227,7 +220,7 @@ class Checkpointer:
             )
         except Exception as e:
             raise _corrupt(step, path, "state/data", e) from e
-        return Restored(restored.state, restored.data, saved_config, step)
+        return Restored(restored.state, restored.data, step)
 
     def _quarantine(self, step: int) -> None:
         """Renames an unreadable step directory aside so Orbax no longer lists it.
@@ -288,25 +281,6 @@ def _check_shapes(saved: dict, target: dict, step: int) -> None:
         )
 
 
-def _jsonable(config: Any) -> dict[str, Any]:
-    """The config as plain JSON types (dataclasses -> dicts, tuples -> lists)."""
-    if dataclasses.is_dataclass(config):
-        config = dataclasses.asdict(config)
-    return json.loads(json.dumps(dict(config)))
-
-
-def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{"a": {"b": 1}} -> {"a.b": 1}."""
-    flat = {}
-    for k, v in tree.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, Mapping):
-            flat.update(_flatten(v, f"{key}."))
-        else:
-            flat[key] = v
-    return flat
-
-
 def check_config(
     saved: Mapping[str, Any],
     current: Mapping[str, Any],
@@ -318,20 +292,9 @@ def check_config(
     Raises:
       ValueError: listing each differing dotted key with its saved and current value.
     """
-    ignore = set(ignore_keys)
-    a, b = _flatten(_jsonable(saved)), _flatten(_jsonable(current))
-    diff = sorted(
-        k
-        for k in a.keys() | b.keys()
-        if a.get(k, "<missing>") != b.get(k, "<missing>")
-        and k not in ignore
-        and k.rsplit(".", 1)[-1] not in ignore
-    )
+    diff = config_diff(saved, current, ignore_keys)
     if diff:
-        lines = "\n".join(
-            f"  {k}: saved {a.get(k, '<missing>')!r}, current {b.get(k, '<missing>')!r}"
-            for k in diff
-        )
+        lines = "\n".join(f"  {k}: saved {a!r}, current {b!r}" for k, (a, b) in diff.items())
         raise ValueError(
             f"config differs from {where} in {len(diff)} key(s):\n{lines}\n"
             "use the saved config, a new checkpoint dir, or extend ignore_keys"

@@ -2,25 +2,26 @@
 
 One `TrainConfig` composes `ModelConfig`, `SparsityConfig` and `OptimConfig`. Every
 default lives here once; flagfiles and presets only override. `__post_init__` checks
-raise `ValueError` naming the offending field. `config_to_dict` / `train_config_from_dict`
-round-trip through plain JSON-friendly dicts (saved next to checkpoints), `config_diff`
-lists mismatching keys on resume, and `with_overrides` applies dotted-key overrides
-("model.d_ff=1024") on top of any config.
+raise `ValueError` naming the offending field; the kernel shape rules are the kernels'
+own (`pallas_kernels.twell_supported`, `pallas_kernels.sparse_train_supported`).
+`config_to_dict` / `train_config_from_dict` round-trip through plain JSON-friendly dicts
+(saved next to checkpoints) and `config_diff` lists the dotted keys two configs differ
+in. Dotted-key overrides ("model.d_ff=1024") are `twell_jax.overrides`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import types
 import typing
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import jax.numpy as jnp
 
-# TwELL packs 256-wide column tiles (twell.md §3); the sparse kernels share the tiling.
-TILE = 256
-# TwELL slots hold the column index in 16 bits.
-MAX_TWELL_D_FF = 1 << 16
+import pallas_kernels
+
+# experiments/benchmark.py imports `with_overrides` from here; its home is twell_jax.overrides.
+from twell_jax.overrides import with_overrides  # noqa: F401
 
 FFN_VARIANTS = ("gated_relu", "relu", "gated_silu")
 FFN_IMPLS = ("dense", "twell", "sparse")
@@ -41,12 +42,12 @@ def _require_positive(obj: Any, *fields: str) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Llama-style transformer with a sparse-able FFN (twell.md §6).
+    """Llama-style transformer with a sparse-able FFN (docs/design.md §7).
 
     Attributes:
       vocab_size: V, rows of the (tied) embedding.
       d_model: H.
-      d_ff: N, FFN hidden width; a multiple of 256 for the TwELL / sparse kernels.
+      d_ff: N, FFN hidden width; the kernel FFNs take the widths their kernels support.
       n_layers: L.
       n_heads: attention heads (no GQA); head_dim = d_model / n_heads, even for RoPE.
       seq_len: maximum context S.
@@ -58,11 +59,11 @@ class ModelConfig:
         "gated_silu" silu(x Wg^T) * (x Wu^T) (the dense Llama baseline).
       ffn_impl: "dense" (XLA, exact stats), "twell" (Pallas TwELL inference, no
         gradient) or "sparse" (Pallas sparse training kernels, gated_relu only).
-      twell_compression: C of the TwELL format, in {2, 4, 8}.
+      twell_compression: C of the TwELL format (ffn_impl="twell").
       sparse_ell_width: W of the sparse training op's ELL rows (ffn_impl="sparse"): a
         token with more positive gate entries in a layer goes to the dense tail. The
         ELL residuals the remat policy keeps for the backward take 10 W bytes per token
-        per layer (21 MB at W=128 and 16384 tokens); a power of two >= 4.
+        per layer (21 MB at W=128 and 16384 tokens); any `SparseTrainConfig.ell_width`.
       dtype: compute dtype name.
       param_dtype: master parameter dtype name.
       remat: rematerialise every layer in the backward pass.
@@ -80,8 +81,8 @@ class ModelConfig:
     tie_embeddings: bool = True
     ffn_variant: str = "gated_relu"
     ffn_impl: str = "dense"
-    # C=2 measured fastest in the 1.5B/2B body on the H200 (results/model_h200*.json):
-    # it never overflows at ~29 nnz, where C=8 recomputes 0.04% of (token, tile) pairs.
+    # C=2: the fastest 1.5B/2B body on the H200 (docs/design.md §9); it never overflows
+    # at ~29 nnz, where C=8 recomputes 0.04% of (token, tile) pairs.
     twell_compression: int = 2
     sparse_ell_width: int = 128
     dtype: str = "bfloat16"
@@ -109,17 +110,12 @@ class ModelConfig:
         )
         _require(self, "dtype", self.dtype in DTYPES, f"must be one of {DTYPES}")
         _require(self, "param_dtype", self.param_dtype in DTYPES, f"must be one of {DTYPES}")
-        _require(
-            self, "twell_compression", self.twell_compression in (2, 4, 8), "must be 2, 4 or 8"
-        )
-        w = self.sparse_ell_width
-        # >= 4: the sparse op's row kernels gather up to 4 ELL slots per step.
-        _require(
-            self, "sparse_ell_width", w >= 4 and not w & (w - 1), "must be a power of two >= 4"
-        )
+        try:
+            sparse_config = pallas_kernels.SparseTrainConfig(ell_width=self.sparse_ell_width)
+        except ValueError as e:
+            _require(self, "sparse_ell_width", False, str(e))
         if self.ffn_impl != "dense":
             kernels = f"with ffn_impl={self.ffn_impl!r}"
-            _require(self, "d_ff", self.d_ff % TILE == 0, f"must be a multiple of {TILE} {kernels}")
             _require(
                 self,
                 "ffn_impl",
@@ -127,18 +123,12 @@ class ModelConfig:
                 "needs a ReLU FFN (ffn_variant 'gated_relu' or 'relu'), not 'gated_silu'",
             )
             _require(self, "dtype", self.dtype == "bfloat16", f"must be 'bfloat16' {kernels}")
+        shape = f"d_model={self.d_model}, d_ff={self.d_ff}"
         if self.ffn_impl == "twell":
+            reason = pallas_kernels.twell_supported(self.d_model, self.d_ff, self.twell_compression)
+            shape += f", twell_compression={self.twell_compression}"
             _require(
-                self,
-                "d_ff",
-                self.d_ff <= MAX_TWELL_D_FF,
-                f"TwELL stores 16-bit columns: at most {MAX_TWELL_D_FF}",
-            )
-            _require(
-                self,
-                "d_model",
-                self.d_model % 64 == 0,
-                "must be a multiple of 64 for the TwELL kernels",
+                self, "ffn_impl", reason is None, f"the TwELL kernels reject {shape}: {reason}"
             )
         if self.ffn_impl == "sparse":
             _require(
@@ -146,6 +136,13 @@ class ModelConfig:
                 "ffn_impl",
                 self.ffn_variant == "gated_relu",
                 "the sparse training kernels implement ffn_variant='gated_relu' only",
+            )
+            # The token count only caps the tail buckets; any M gives the shape rule.
+            reason = pallas_kernels.sparse_train_supported(
+                self.seq_len, self.d_model, self.d_ff, sparse_config
+            )
+            _require(
+                self, "ffn_impl", reason is None, f"the sparse kernels reject {shape}: {reason}"
             )
 
     @property
@@ -168,7 +165,7 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SparsityConfig:
-    """L1 sparsity objective and dead-neuron handling (twell.md §2, §5).
+    """L1 sparsity objective and dead-neuron handling (docs/design.md §2).
 
     Attributes:
       l1_coef: lambda of `CE + lambda * mean_layers(mean_tokens(sum_N |h|))`.
@@ -208,7 +205,7 @@ class SparsityConfig:
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-    """AdamW with linear warmup then cosine decay to 0 (twell_training_spec §4).
+    """AdamW with linear warmup then cosine decay to 0 (docs/design.md §7).
 
     Attributes:
       lr: peak learning rate.
@@ -307,7 +304,7 @@ _MODEL_PRESETS = {
     "tiny": dict(vocab_size=512, d_model=128, d_ff=512, n_layers=4, n_heads=4, seq_len=128),
     # Single-GPU experiment; d_ff = 8/3 * 768, a multiple of 256.
     "125m": dict(vocab_size=49152, d_model=768, d_ff=2048, n_layers=12, n_heads=12, seq_len=1024),
-    # Paper sizes (twell.md §6).
+    # Paper sizes (docs/design.md §7).
     "0.5b": dict(_PAPER, n_layers=8),
     "1b": dict(_PAPER, n_layers=18),
     "1.5b": dict(_PAPER, n_layers=28),
@@ -329,7 +326,7 @@ def model_preset(name: str, **overrides: Any) -> ModelConfig:
 def train_preset(name: str) -> TrainConfig:
     """A TrainConfig around `model_preset(name)`; "tiny" gets a short CPU schedule.
 
-    The paper sizes use the paper recipe (twell_training_spec §4): 512 x 2048-token
+    The paper sizes use the paper recipe (docs/design.md §7): 512 x 2048-token
     batches, 600 warmup steps, 30000 steps, FSDP over every device.
     """
     model = model_preset(name)
@@ -352,16 +349,16 @@ def train_preset(name: str) -> TrainConfig:
 
 
 def config_to_dict(cfg: Any) -> dict[str, Any]:
-    """Any config dataclass -> nested plain dict (tuples become lists: JSON-friendly)."""
+    """A config dataclass or mapping -> nested plain dict (tuples become lists: JSON-friendly)."""
 
     def plain(v):
         if isinstance(v, tuple | list):
             return [plain(x) for x in v]
-        if isinstance(v, dict):
+        if isinstance(v, Mapping):
             return {k: plain(x) for k, x in v.items()}
         return v
 
-    return plain(dataclasses.asdict(cfg))
+    return plain(dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else cfg)
 
 
 def _from_dict(cls: type, d: dict[str, Any], prefix: str) -> Any:
@@ -389,78 +386,38 @@ def train_config_from_dict(d: dict[str, Any]) -> TrainConfig:
     return _from_dict(TrainConfig, d, "")
 
 
-def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
+def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1}."""
+    flat = {}
+    for k, v in tree.items():
+        if isinstance(v, Mapping):
+            flat.update(flatten(v, f"{prefix}{k}."))
         else:
-            out[prefix + k] = v
-    return out
+            flat[prefix + k] = v
+    return flat
 
 
-def config_diff(a: Any, b: Any) -> list[str]:
-    """Dotted keys whose values differ between two configs (dataclasses or dicts).
+MISSING = "<missing>"
+
+
+def config_diff(a: Any, b: Any, ignore_keys: Iterable[str] = ()) -> dict[str, tuple[Any, Any]]:
+    """The dotted keys whose values differ between two configs (dataclasses or dicts).
+
+    Args:
+      a, b: the configs; tuples and lists compare equal.
+      ignore_keys: keys skipped when their full dotted path ("optim.total_steps") or
+        their last component ("total_steps") is listed.
 
     Returns:
-      Sorted lines "key: a_value != b_value"; empty when the configs match.
+      Sorted key -> (a's value, b's value), `MISSING` where a config lacks the key; empty
+      when the configs match.
     """
-    fa = _flatten(a if isinstance(a, dict) else config_to_dict(a))
-    fb = _flatten(b if isinstance(b, dict) else config_to_dict(b))
-    missing = object()
-    return [
-        f"{k}: {fa.get(k, missing)!r} != {fb.get(k, missing)!r}"
-        for k in sorted(set(fa) | set(fb))
-        if fa.get(k, missing) != fb.get(k, missing)
-    ]
-
-
-def _parse(text: str, current: Any, hint: Any) -> Any:
-    """Parses a string override to the type of the field it replaces."""
-    if text.lower() == "none" and type(None) in typing.get_args(hint):
-        return None
-    if isinstance(current, bool):
-        if text.lower() not in ("true", "false", "1", "0"):
-            raise ValueError(f"expected a bool, got {text!r}")
-        return text.lower() in ("true", "1")
-    if isinstance(current, tuple):
-        return tuple(type(c)(x) for c, x in zip(current, text.split(","), strict=True))
-    if isinstance(current, int | float | str):
-        return type(current)(text)
-    # None default with an `X | None` hint: parse as X.
-    base = [t for t in typing.get_args(hint) if t is not type(None)]
-    return base[0](text) if base and isinstance(hint, types.UnionType) else text
-
-
-def with_overrides(cfg: Any, overrides: dict[str, Any]) -> Any:
-    """Returns `cfg` with dotted-key overrides applied via `dataclasses.replace`.
-
-    Example: `with_overrides(cfg, {"model.d_ff": 1024, "optim.lr": "3e-4"})`. String
-    values are parsed to the field's type ("true", "0.9,0.99", "none"), so flag values
-    can be passed through unchanged. Validation reruns on every replaced dataclass.
-
-    Raises:
-      ValueError: unknown key, unparsable or invalid value.
-    """
-    grouped: dict[str, Any] = {}
-    for key, value in overrides.items():
-        head, _, rest = key.partition(".")
-        if rest:
-            grouped.setdefault(head, {})[rest] = value
-        else:
-            grouped[head] = value
-    names = {f.name for f in dataclasses.fields(cfg)}
-    hints = typing.get_type_hints(type(cfg))
-    changes = {}
-    for name, value in grouped.items():
-        if name not in names:
-            raise ValueError(f"unknown config key {name!r} for {type(cfg).__name__}")
-        current = getattr(cfg, name)
-        if dataclasses.is_dataclass(current):
-            if not isinstance(value, dict):
-                raise ValueError(f"{name!r} is a config section: override {name}.<field>")
-            value = with_overrides(current, value)
-        elif isinstance(value, str) and not isinstance(current, str):
-            value = _parse(value, current, hints[name])
-        changes[name] = value
-    return dataclasses.replace(cfg, **changes)
+    ignore = set(ignore_keys)
+    fa, fb = flatten(config_to_dict(a)), flatten(config_to_dict(b))
+    return {
+        k: (fa.get(k, MISSING), fb.get(k, MISSING))
+        for k in sorted(fa.keys() | fb.keys())
+        if fa.get(k, MISSING) != fb.get(k, MISSING)
+        and k not in ignore
+        and k.rsplit(".", 1)[-1] not in ignore
+    }

@@ -47,8 +47,8 @@ def test_round_trip_and_keep_last_n(tmp_path):
     assert ckpt.all_steps() == [3, 4] and ckpt.latest_step() == 4
     ckpt.close()
     with checkpoint.Checkpointer(tmp_path / "ckpt", max_to_keep=2) as reopened:
-        state, data_state, config, step = reopened.restore(_abstract(_state(0)), config=CONFIG)
-        assert step == 4 and data_state == {"grain": {"next_index": 4}} and config == CONFIG
+        state, data_state, step = reopened.restore(_abstract(_state(0)), config=CONFIG)
+        assert step == 4 and data_state == {"grain": {"next_index": 4}}
         _assert_state(state, 4)
         # Concrete arrays work as the target too: their shardings are used.
         _assert_state(reopened.restore(_state(0), step=3).state, 3)
@@ -94,7 +94,7 @@ def test_corrupt_step_errors_and_falls_back_to_the_previous_one(tmp_path, damage
     target = _abstract(_state(0))
     with pytest.raises(checkpoint.CheckpointCorruptError, match=f"step 2 at {step_dir}"):
         ckpt.restore(target, step=2)
-    state, data_state, _, step = ckpt.restore(target)
+    state, data_state, step = ckpt.restore(target)
     assert step == 1 and data_state == {"grain": {"next_index": 1}}
     _assert_state(state, 1)
     # The bad step is moved aside, not deleted, and training can save step 2 again.

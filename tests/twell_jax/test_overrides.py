@@ -1,0 +1,42 @@
+"""Dotted-key overrides: string parsing to the field's type, validation, `--set` items."""
+
+import pytest
+
+from twell_jax import config as C
+from twell_jax import overrides
+
+
+def test_string_overrides_take_the_field_type():
+    cfg = C.train_preset("tiny")
+    other = overrides.with_overrides(
+        cfg,
+        {
+            "model.d_ff": "1024",
+            "optim.betas": "0.9,0.99",
+            "sparsity.tokens_until_dead": "4096",
+            "model.remat": "true",
+        },
+    )
+    assert other.model.d_ff == 1024 and other.optim.betas == (0.9, 0.99)
+    assert other.sparsity.tokens_until_dead == 4096 and other.model.remat is True
+    assert C.config_diff(cfg, other).keys() == {
+        "model.d_ff",
+        "model.remat",
+        "optim.betas",
+        "sparsity.tokens_until_dead",
+    }
+    with pytest.raises(ValueError, match="n_experts"):
+        overrides.with_overrides(cfg, {"model.n_experts": 8})
+    with pytest.raises(ValueError, match=r"ModelConfig\.ffn_impl='twell': .*d_ff=300"):
+        overrides.with_overrides(cfg, {"model.ffn_impl": "twell", "model.d_ff": 300})
+
+
+def test_assignments_split_at_the_first_equals_sign():
+    items = ["model.d_ff=1024", " optim.betas = 0.9,0.99", "model.d_ff=2048", "x.y=a=b"]
+    assert overrides.parse_assignments(items) == {
+        "model.d_ff": "2048",
+        "optim.betas": "0.9,0.99",
+        "x.y": "a=b",
+    }
+    with pytest.raises(ValueError, match=r"expected section\.field=value"):
+        overrides.parse_assignments(["model.d_ff"])
