@@ -36,7 +36,7 @@ from pallas_kernels import baselines, ops, reference, twell_pack
 from pallas_kernels import t2d as t2d_mod
 from pallas_kernels import twell_format as fmt
 from pallas_kernels._gather import RowLaunch
-from pallas_kernels.sparse_train_op import SparseTrainConfig
+from pallas_kernels.sparse_train import SparseTrainConfig
 from twell_jax.config import with_overrides
 
 FLAGS = flags.FLAGS

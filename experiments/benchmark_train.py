@@ -24,10 +24,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import bench_util as bu
-from pallas_kernels import hybrid_format as hf
-from pallas_kernels import sparse_train as st
+from pallas_kernels._gather import RowLaunch
 from pallas_kernels.reference import gated_hidden
-from pallas_kernels.sparse_train_op import ROW_KERNELS, SparseTrainConfig, sparse_gated_mlp_train
+from pallas_kernels.sparse_train import (
+    SparseTrainConfig,
+    compaction,
+    csc,
+    resolve_config,
+    row_kernels,
+    sparse_gated_mlp_train,
+)
+from pallas_kernels.sparse_train import format as fmt
+from pallas_kernels.sparse_train.compaction import CompactLaunch
+from pallas_kernels.sparse_train.config import LAUNCH_FIELDS, ROW_FIELDS
 
 L1_COEF = 2e-5
 
@@ -91,30 +100,39 @@ def _breakdown(
     x, wg, wu, wd, g, config: SparseTrainConfig, samples: int, only: tuple[str, ...] = ()
 ) -> dict:
     """Milliseconds of each stage of the sparse step (or of `only`), jitted one at a time."""
-    kw = {k: config.row_kernel_kwargs(k) for k in ROW_KERNELS}
+    config = resolve_config(x.shape[0], x.shape[1], wg.shape[0], config)
+    kw = {k: dict(launch=getattr(config, k), impl=config.impl) for k in LAUNCH_FIELDS}
     width = config.ell_width
     gate = jax.jit(lambda x, w: jnp.einsum("mh,nh->mn", x, w, preferred_element_type=x.dtype))
-    compact = jax.jit(functools.partial(st.compact_rows, **config.compact_kwargs()))
+    compact = jax.jit(
+        functools.partial(
+            compaction.compact_rows, width=width, launch=config.compact, impl=config.impl
+        )
+    )
     p = gate(x, wg)
     ell, _ = compact(p)
-    cnt = hf.ell_counts(ell.counts, width)
-    sddmm_up = jax.jit(functools.partial(st.sddmm_up, **kw["sddmm_up"]))
+    cnt = fmt.ell_counts(ell.counts, width)
+    sddmm_up = jax.jit(functools.partial(row_kernels.sddmm_up, **kw["sddmm_up"]))
     r, t, _ = sddmm_up(x, wu, cnt, ell.cols, ell.vals)
-    spmm_down = jax.jit(lambda t, w, c, cols: st.spmm_rows(((t, w),), c, cols, **kw["spmm_down"]))
+    spmm_down = jax.jit(
+        lambda t, w, c, cols: row_kernels.spmm_rows(((t, w),), c, cols, **kw["spmm_down"])
+    )
     scale = jnp.asarray([L1_COEF / x.shape[0]], jnp.float32)
-    sddmm_grad = jax.jit(functools.partial(st.sddmm_grad, **kw["sddmm_grad"]))
+    sddmm_grad = jax.jit(functools.partial(row_kernels.sddmm_grad, **kw["sddmm_grad"]))
     dr, du = sddmm_grad(g, wd, cnt, ell.cols, ell.vals, r, t, scale)
     spmm_dx = jax.jit(
-        lambda a, b, w1, w2, c, cols: st.spmm_rows(((a, w1), (b, w2)), c, cols, **kw["spmm_dx"])
+        lambda a, b, w1, w2, c, cols: row_kernels.spmm_rows(
+            ((a, w1), (b, w2)), c, cols, **kw["spmm_dx"]
+        )
     )
 
     def index(c, cols, col_counts, dr, du, t):
-        csc = hf.build_csc(c, cols, col_counts)
-        return csc.offsets, csc.order, *st.csc_entries(csc, width, dr, du, t)
+        index = fmt.build_csc(c, cols, col_counts)
+        return index.offsets, index.order, *csc.csc_entries(index, width, dr, du, t)
 
     index = jax.jit(index)
     offsets, *entries = index(cnt, ell.cols, ell.col_counts, dr, du, t)
-    csc = jax.jit(functools.partial(st.spmm_csc, **config.csc_kernel_kwargs()))
+    spmm_csc = jax.jit(functools.partial(csc.spmm_csc, **kw["spmm_csc"]))
     stages = {
         "gate_gemm": (gate, (x, wg)),
         "compact": (compact, (p,)),
@@ -123,7 +141,7 @@ def _breakdown(
         "sddmm_grad": (sddmm_grad, (g, wd, cnt, ell.cols, ell.vals, r, t, scale)),
         "spmm_dx": (spmm_dx, (dr, du, wu, wg, cnt, ell.cols)),
         "csc_index": (index, (cnt, ell.cols, ell.col_counts, dr, du, t)),
-        "spmm_csc": (csc, (offsets, *entries, x, g)),
+        "spmm_csc": (spmm_csc, (offsets, *entries, x, g)),
     }
     return {k: _median_ms(f, a, samples) for k, (f, a) in stages.items() if not only or k in only}
 
@@ -135,68 +153,68 @@ def tune(
     nnz: float = 29,
     samples: int = 10,
     row_options=(
-        (4, 2048, 4),
-        (2, 2048, 4),
-        (2, 2048, 2),
-        (4, 2048, 2),
-        (1, 2048, 4),
-        (2, 1024, 4),
-        (2, 1024, 1),
-        (4, 1024, 1),
-        (4, 512, 1),
-        (1, 1024, 1),
+        RowLaunch(group=4, num_warps=4, block_h=2048),
+        RowLaunch(group=2, num_warps=4, block_h=2048),
+        RowLaunch(group=2, num_warps=2, block_h=2048),
+        RowLaunch(group=4, num_warps=2, block_h=2048),
+        RowLaunch(group=1, num_warps=4, block_h=2048),
+        RowLaunch(group=2, num_warps=4, block_h=1024),
+        RowLaunch(group=2, num_warps=1, block_h=1024),
+        RowLaunch(group=4, num_warps=1, block_h=1024),
+        RowLaunch(group=4, num_warps=1, block_h=512),
+        RowLaunch(group=1, num_warps=1, block_h=1024),
     ),
     csc_options=(
-        (4, 512, 2),
-        (8, 512, 2),
-        (4, 256, 1),
-        (8, 512, 4),
-        (4, 1024, 4),
-        (2, 1024, 4),
-        (4, 2048, 4),
-        (2, 2048, 4),
-        (4, 1024, 8),
-        (4, 1024, 2),
-        (1, 1024, 4),
-        (2, 512, 4),
-        (4, 512, 4),
+        RowLaunch(group=4, num_warps=2, block_h=512),
+        RowLaunch(group=8, num_warps=2, block_h=512),
+        RowLaunch(group=4, num_warps=1, block_h=256),
+        RowLaunch(group=8, num_warps=4, block_h=512),
+        RowLaunch(group=4, num_warps=4, block_h=1024),
+        RowLaunch(group=2, num_warps=4, block_h=1024),
+        RowLaunch(group=4, num_warps=4, block_h=2048),
+        RowLaunch(group=2, num_warps=4, block_h=2048),
+        RowLaunch(group=4, num_warps=8, block_h=1024),
+        RowLaunch(group=4, num_warps=2, block_h=1024),
+        RowLaunch(group=1, num_warps=4, block_h=1024),
+        RowLaunch(group=2, num_warps=4, block_h=512),
+        RowLaunch(group=4, num_warps=4, block_h=512),
     ),
     compact_options=(
-        (16, 128, 4),
-        (16, 256, 4),
-        (32, 128, 4),
-        (8, 128, 4),
-        (16, 128, 2),
-        (32, 128, 8),
+        CompactLaunch(block_rows=16, block_cols=128, num_warps=4),
+        CompactLaunch(block_rows=16, block_cols=256, num_warps=4),
+        CompactLaunch(block_rows=32, block_cols=128, num_warps=4),
+        CompactLaunch(block_rows=8, block_cols=128, num_warps=4),
+        CompactLaunch(block_rows=16, block_cols=128, num_warps=2),
+        CompactLaunch(block_rows=32, block_cols=128, num_warps=8),
     ),
 ) -> list[dict]:
-    """Times the kernels over block options; one JSON-able dict per option.
+    """Times the kernels over launch options; one JSON-able dict per option.
 
     Args:
-        row_options: (chunk, block_h, num_warps) for the four row kernels.
-        csc_options: (csc_chunk, csc_block_h, csc_num_warps) for the transposed SpMM.
-        compact_options: (block_rows, block_cols, num_warps) of the compaction.
+        row_options: RowLaunch options, each given to the four row kernels at once
+            (`config.ROW_FIELDS`).
+        csc_options: RowLaunch options of the transposed SpMM (`spmm_csc`).
+        compact_options: CompactLaunch options of the compaction.
+
+    Each record holds the option's fields under "launch" (and the config fields it
+    set under "fields") and the milliseconds of the stages it affects.
     """
     args = synthetic_inputs(0, M, H, N, nnz)
     base = SparseTrainConfig()
 
-    def sweep(config, fields, options, only):
-        """One dict per option: its config fields and the ms of the `only` stages."""
+    def sweep(fields, options, only):
+        """One dict per option: its launch and the ms of the `only` stages."""
         rows = []
-        for values in options:
-            knobs = dict(zip(fields, values, strict=True))
-            cfg = dataclasses.replace(config, **knobs)
-            rows.append({**knobs, **_breakdown(*args, config=cfg, samples=samples, only=only)})
+        for launch in options:
+            cfg = dataclasses.replace(base, **dict.fromkeys(fields, launch))
+            times = _breakdown(*args, config=cfg, samples=samples, only=only)
+            rows.append({"fields": list(fields), "launch": dataclasses.asdict(launch), **times})
         return rows
 
-    compact_fields = ("compact_block_rows", "compact_block_cols", "compact_num_warps")
-    csc_fields = ("csc_chunk", "csc_block_h", "csc_num_warps")
-    # The shared launch for every row kernel (no per-kernel overrides).
-    shared_rows = dataclasses.replace(base, row_launch=())
     return [
-        *sweep(base, compact_fields, compact_options, ("compact",)),
-        *sweep(shared_rows, ("chunk", "block_h", "num_warps"), row_options, ROW_KERNELS),
-        *sweep(base, csc_fields, csc_options, ("spmm_csc",)),
+        *sweep(("compact",), compact_options, ("compact",)),
+        *sweep(ROW_FIELDS, row_options, ROW_FIELDS),
+        *sweep(("spmm_csc",), csc_options, ("spmm_csc",)),
     ]
 
 
@@ -277,7 +295,7 @@ def main():
     parser.add_argument("--nnz", default="10,29,50,100")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--heavy_rows", type=int, default=0)
-    parser.add_argument("--tune", action="store_true", help="sweep the kernels' block options")
+    parser.add_argument("--tune", action="store_true", help="sweep the kernels' launch options")
     a = parser.parse_args()
     if a.tune:
         for rec in tune(M=a.m):

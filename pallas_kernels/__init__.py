@@ -5,7 +5,7 @@ ELL + dense tail) and its remat residual name; the kernels and formats live in t
 """
 
 from pallas_kernels.ops import TwellStats, twell_gated_mlp, twell_mlp, twell_supported
-from pallas_kernels.sparse_train_op import (
+from pallas_kernels.sparse_train import (
     RESIDUALS_NAME,
     SparseTrainConfig,
     sparse_gated_mlp_train,

@@ -1,6 +1,6 @@
 """Sparse gated MLP for training: hybrid ELL + dense tail behind one `custom_vjp`.
 
-out = (relu(x Wg^T) * (x Wu^T)) Wd with the ELL path of twell.md §5:
+out = (relu(x Wg^T) * (x Wu^T)) Wd with the ELL path of docs/design.md §5-§6:
 
 forward   U = x Wg^T (dense XLA GEMM, bf16 out) -> Pallas compaction of P = relu(U)
           into ELL rows of width W (true counts kept); rows with more than W positives
@@ -18,8 +18,8 @@ fallback  when the heavy rows exceed the largest tail capacity, the whole call (
 
 No host round trips: the choices (tail bucket, fallback) are `lax.cond` / `lax.switch`
 on device values whose branches hold only kernels, GEMMs and fusions, so XLA runs them
-as CUDA-graph conditionals (see `_fallback_blocks` and `hybrid_format.build_csc` for
-what that takes).
+as CUDA-graph conditionals (docs/design.md §6.4; see `_fallback_blocks` and
+`format.build_csc` for what that takes).
 
 The L1 term is differentiable through `stats["l1"]`: a loss `f(out) + lam * stats["l1"]`
 gets exactly the gradient of the dense reference with its L1 term. `l1_coef` adds the
@@ -37,9 +37,10 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from pallas_kernels import _triton
-from pallas_kernels import hybrid_format as hf
-from pallas_kernels import sparse_train as st
-from pallas_kernels.reference import gated_hidden
+from pallas_kernels.sparse_train import compaction, csc, row_kernels
+from pallas_kernels.sparse_train import format as fmt
+from pallas_kernels.sparse_train.config import LAUNCH_FIELDS, SparseTrainConfig
+from pallas_kernels.sparse_train.reference import dense_block
 
 _F32 = jnp.float32
 
@@ -48,158 +49,24 @@ _F32 = jnp.float32
 RESIDUALS_NAME = "twell_sparse_residuals"
 
 
-# The row kernels, by the names `row_launch` and the train benchmark use.
-ROW_KERNELS = ("sddmm_up", "spmm_down", "sddmm_grad", "spmm_dx")
-
-
-def _require_pow2(name: str, v: int) -> None:
-    if not _triton.is_pow2(v):
-        raise ValueError(f"{name} must be a power of two, got {v}")
-
-
-@dataclasses.dataclass(frozen=True)
-class SparseTrainConfig:
-    """Static configuration of `sparse_gated_mlp_train` (hashable).
-
-    Attributes:
-        ell_width: W, ELL slots per row (power of two, multiple of `chunk`).
-        tail_capacities: ascending static row capacities of the dense tail; 0 means
-            "no tail work". More heavy rows than the largest: dense fallback.
-        impl: "pallas" (Triton kernels) or "xla" (same algorithm in plain jnp, for CPU
-            and tests: it materialises [M, W, H] gathers).
-        compact_block_rows, compact_block_cols, compact_num_warps: compaction tile
-            (powers of two; one program per tile) and its Triton warps.
-        chunk: ELL slots gathered per step of the row kernels (power of two).
-        block_h: H columns per program or step of the row kernels (power of two
-            dividing H).
-        csc_chunk, csc_block_h: the same for the transposed (per-neuron) SpMM; smaller
-            H blocks spread very active neurons over more programs and shrink the
-            gathered x / gO working set (2 M csc_block_h bf16); csc_num_warps its
-            Triton warps. H200 (M=16384, 29 nnz; ms): 4 / 512 / 2 warps 0.57 against
-            4 / 1024 / 4 0.63 in the same process (4 / 256 / 1: 0.58; 8 / 512 / 2:
-            0.62); with 4 warps, 512 columns take 1.39 (4 threads per 8-byte piece).
-        num_warps, num_stages: Triton launch parameters of the gather kernels.
-        fallback_block_rows: rows per step of the dense fallback (an unrolled loop of
-            at most 16 dense blocks, larger M getting larger blocks), so that its
-            [rows, N] temporaries stay far below the dense MLP's.
-        row_launch: (kernel, chunk, block_h, num_warps) that replace the shared
-            chunk / block_h / num_warps for one of ROW_KERNELS. Defaults from the H200
-            (M=16384, 29 nnz; ms, same process, shared 2 / 2048 / 4 -> override):
-            sddmm_up 0.355 -> 0.289-0.295, sddmm_grad 0.381 -> 0.308, spmm_down
-            0.267 -> 0.253, spmm_dx 0.479 -> 0.452 (session 7). One warp per row
-            keeps the SDDMMs' per-slot dot product inside a warp (shuffles, no
-            shared-memory round trip and barrier per chunk); results/NOTES.md.
-
-    The shared row-kernel launch (chunk / block_h / num_warps) follows the GatedT2D
-    kernel tuned on the H200 (one row per program, 4 whole 4 KB weight rows per step,
-    4 warps, 1 stage); `row_launch` overrides it per kernel.
-    """
-
-    ell_width: int = 128
-    tail_capacities: tuple[int, ...] = (0, 256, 1024, 2048)
-    impl: str = "pallas"
-    compact_block_rows: int = 16  # H200, M=16384: 0.35 ms (32 rows / 8 warps: 0.37)
-    compact_block_cols: int = 256
-    compact_num_warps: int = 4
-    fallback_block_rows: int = 2048
-    chunk: int = 4
-    block_h: int = 2048
-    csc_chunk: int = 4
-    csc_block_h: int = 512
-    csc_num_warps: int = 2
-    num_warps: int = 4
-    num_stages: int = 1
-    row_launch: tuple[tuple[str, int, int, int], ...] = (
-        ("sddmm_up", 2, 1024, 1),
-        ("spmm_down", 4, 512, 1),
-        ("sddmm_grad", 4, 1024, 1),
-        ("spmm_dx", 2, 1024, 4),
-    )
-
-    def __post_init__(self):
-        caps = self.tail_capacities
-        if not caps or list(caps) != sorted(caps) or caps[0] < 0:
-            raise ValueError(f"tail_capacities must be ascending and >= 0, got {caps}")
-        if self.impl not in ("pallas", "xla"):
-            raise ValueError(f"impl must be 'pallas' or 'xla', got {self.impl!r}")
-        pow2 = ("ell_width", "compact_block_rows", "compact_block_cols", "chunk", "block_h")
-        for name in (*pow2, "csc_chunk", "csc_block_h", "csc_num_warps", "compact_num_warps"):
-            _require_pow2(name, getattr(self, name))
-        self._require_chunk_fits(self.chunk)
-        for kernel, chunk, block_h, warps in self.row_launch:
-            if kernel not in ROW_KERNELS:
-                raise ValueError(f"row_launch: unknown kernel {kernel!r}; one of {ROW_KERNELS}")
-            for name, v in (("chunk", chunk), ("block_h", block_h), ("num_warps", warps)):
-                _require_pow2(f"{name} of {kernel}", v)
-            self._require_chunk_fits(chunk)
-        if self.fallback_block_rows < 1:
-            raise ValueError(f"fallback_block_rows must be >= 1, got {self.fallback_block_rows}")
-
-    def _require_chunk_fits(self, chunk: int) -> None:
-        if self.ell_width % chunk:
-            raise ValueError(f"ell_width {self.ell_width} is not a multiple of chunk {chunk}")
-
-    def compact_kwargs(self) -> dict:
-        """Keywords of `sparse_train.compact_rows`."""
-        return dict(
-            width=self.ell_width,
-            impl=self.impl,
-            block_rows=self.compact_block_rows,
-            block_cols=self.compact_block_cols,
-            num_warps=self.compact_num_warps,
-        )
-
-    def row_kernel_kwargs(self, kernel: str | None = None) -> dict:
-        """Launch keywords of a row kernel (one of ROW_KERNELS; None: the shared ones)."""
-        kw = dict(
-            impl=self.impl,
-            chunk=self.chunk,
-            block_h=self.block_h,
-            num_warps=self.num_warps,
-            num_stages=self.num_stages,
-        )
-        for name, chunk, block_h, warps in self.row_launch:
-            if name == kernel:
-                kw.update(chunk=chunk, block_h=block_h, num_warps=warps)
-        return kw
-
-    def csc_kernel_kwargs(self) -> dict:
-        """Launch keywords of the transposed SpMM (`spmm_csc`)."""
-        return dict(
-            self.row_kernel_kwargs(),
-            chunk=self.csc_chunk,
-            block_h=self.csc_block_h,
-            num_warps=self.csc_num_warps,
-        )
-
-
 @dataclasses.dataclass(frozen=True)
 class _Static:
     config: SparseTrainConfig
     interpret: bool
 
 
+# Narrowest H (and N) block the Pallas path accepts.
 _MIN_BLOCK = 16
 
 
-def _fit_block(block: int, dim: int) -> int:
-    """The largest power of two <= block that divides dim."""
-    while block > 1 and dim % block:
-        block //= 2
-    return block
-
-
 def resolve_config(m: int, h: int, n: int, config: SparseTrainConfig) -> SparseTrainConfig:
-    """Fits the config to the shapes: blocks shrink to powers of two dividing H and N
-    (production shapes keep the defaults) and tail capacities are capped at M."""
+    """Fits the config to the shapes: every kernel's block shrinks to the largest power
+    of two dividing H (the compaction's columns: N), production shapes keeping the
+    defaults, and tail capacities are capped at M."""
     caps = tuple(sorted({min(c, m) for c in config.tail_capacities}))
+    launches = {name: getattr(config, name).fit(h) for name in LAUNCH_FIELDS}
     return dataclasses.replace(
-        config,
-        tail_capacities=caps,
-        block_h=_fit_block(config.block_h, h),
-        row_launch=tuple((k, c, _fit_block(b, h), w) for k, c, b, w in config.row_launch),
-        csc_block_h=_fit_block(config.csc_block_h, h),
-        compact_block_cols=_fit_block(config.compact_block_cols, n),
+        config, tail_capacities=caps, compact=config.compact.fit(n), **launches
     )
 
 
@@ -208,23 +75,12 @@ def sparse_train_supported(m: int, h: int, n: int, config: SparseTrainConfig) ->
     if config.impl == "xla":
         return None
     cfg = resolve_config(m, h, n, config)
-    for name, dim in (("block_h", h), ("csc_block_h", h), ("compact_block_cols", n)):
-        if getattr(cfg, name) < _MIN_BLOCK:
-            return f"no power-of-two {name} >= {_MIN_BLOCK} divides {dim}"
-    for kernel, _, block_h, _ in cfg.row_launch:
-        if block_h < _MIN_BLOCK:
-            return f"no power-of-two block_h of {kernel} >= {_MIN_BLOCK} divides {h}"
+    for name in LAUNCH_FIELDS:
+        if getattr(cfg, name).block_h < _MIN_BLOCK:
+            return f"no power-of-two {name}.block_h >= {_MIN_BLOCK} divides H={h}"
+    if cfg.compact.block_cols < _MIN_BLOCK:
+        return f"no power-of-two compact.block_cols >= {_MIN_BLOCK} divides N={n}"
     return None
-
-
-def _dense_block(x, wg, wu, wd):
-    """Dense gated MLP as the reference computes it: (out [C, H], sum |h|).
-
-    bf16-output GEMMs (fp32 accumulation inside), so the backward also runs bf16 GEMMs.
-    """
-    hid = gated_hidden(x, wg, wu)
-    out = jnp.einsum("mn,nh->mh", hid, wd)
-    return out.astype(x.dtype), jnp.sum(jnp.abs(hid.astype(_F32)))
 
 
 # Most dense blocks the fallback unrolls into; larger M gets larger blocks.
@@ -236,9 +92,9 @@ def _fallback_blocks(m: int, block_rows: int) -> list[tuple[int, int]]:
 
     The loop is unrolled in Python rather than a `fori_loop`: XLA runs a while loop
     from the host (a device-to-host copy of its predicate per iteration, and one for
-    the cond around it), which made the op's two conds stall the GPU ~0.1 ms each per
-    step even when the fallback never ran. Unrolled, both conds run as CUDA-graph
-    conditionals with a device-side predicate.
+    the cond around it), which made the op's two conds stall the GPU on every step
+    even when the fallback never ran. Unrolled, both conds run as CUDA-graph
+    conditionals with a device-side predicate (docs/design.md §6.4).
     """
     b = max(min(block_rows, m), -(-m // _MAX_FALLBACK_BLOCKS))
     return [(s, min(b, m - s)) for s in range(0, m, b)]
@@ -251,7 +107,7 @@ def _after(a, dep):
 
 
 def _dense_fallback_fwd(x, wg, wu, wd, block_rows: int):
-    """`_dense_block` over blocks of rows: (out [M, H], sum |h|) with O(block N) temps.
+    """`dense_block` over blocks of rows: (out [M, H], sum |h|) with O(block N) temps.
 
     The fallback branch shares the op's memory plan, so a whole-M dense block would make
     the sparse op's peak memory that of the dense MLP.
@@ -259,14 +115,14 @@ def _dense_fallback_fwd(x, wg, wu, wd, block_rows: int):
     out, l1 = jnp.zeros_like(x), jnp.zeros((), _F32)
     for start, size in _fallback_blocks(x.shape[0], block_rows):
         x_b = _after(lax.slice_in_dim(x, start, start + size), out)
-        out_b, l1_b = _dense_block(x_b, wg, wu, wd)
+        out_b, l1_b = dense_block(x_b, wg, wu, wd)
         out = lax.dynamic_update_slice_in_dim(out, out_b, start, 0)
         l1 = l1 + l1_b
     return out, l1
 
 
 def _dense_fallback_bwd(x, g_out, wg, wu, wd, scale, block_rows: int):
-    """Gradients of `_dense_block` over blocks of rows: (dx, dWg, dWu, dWd).
+    """Gradients of `dense_block` over blocks of rows: (dx, dWg, dWu, dWd).
 
     Weight gradients are summed over blocks in fp32, then rounded to the weights' dtype.
     """
@@ -276,7 +132,7 @@ def _dense_fallback_bwd(x, g_out, wg, wu, wd, scale, block_rows: int):
     for start, size in _fallback_blocks(x.shape[0], block_rows):
         rows = functools.partial(lax.slice_in_dim, start_index=start, limit_index=start + size)
         x_b, g_b = _after((rows(x), rows(g_out)), (dx, dws))
-        _, vjp = jax.vjp(_dense_block, x_b, *weights)
+        _, vjp = jax.vjp(dense_block, x_b, *weights)
         dx_b, *dw_b = vjp((g_b, scale))
         dws = tuple(a + d.astype(_F32) for a, d in zip(dws, dw_b, strict=True))
         dx = lax.dynamic_update_slice_in_dim(dx, dx_b, start, 0)
@@ -296,7 +152,7 @@ def _tail_fwd(cap, x, rows, wg, wu, wd):
     c_max = rows.shape[0]
     if cap == 0:
         return jnp.zeros((c_max, x.shape[1]), x.dtype), jnp.zeros((), _F32)
-    out, l1 = _dense_block(_gather_rows(x, rows[:cap]), wg, wu, wd)
+    out, l1 = dense_block(_gather_rows(x, rows[:cap]), wg, wu, wd)
     return _pad_rows(out, c_max), l1
 
 
@@ -306,7 +162,7 @@ def _tail_bwd(cap, x, g_out, rows, wg, wu, wd, scale, dws):
     if cap == 0:
         return jnp.zeros((c_max, x.shape[1]), x.dtype), dws
     sel = rows[:cap]
-    _, vjp = jax.vjp(_dense_block, _gather_rows(x, sel), wg, wu, wd)
+    _, vjp = jax.vjp(dense_block, _gather_rows(x, sel), wg, wu, wd)
     dxt, *dw_t = vjp((_gather_rows(g_out, sel), scale))
     dws = tuple(
         (a.astype(_F32) + b.astype(_F32)).astype(a.dtype) for a, b in zip(dws, dw_t, strict=True)
@@ -314,8 +170,9 @@ def _tail_bwd(cap, x, g_out, rows, wg, wu, wd, scale, dws):
     return _pad_rows(dxt, c_max), dws
 
 
-def _kernel_kwargs(static: _Static, kernel: str) -> dict:
-    return dict(static.config.row_kernel_kwargs(kernel), interpret=static.interpret)
+def _kernel_kwargs(static: _Static, launch) -> dict:
+    """The keywords of a row or CSC kernel call: its launch, impl and interpret."""
+    return dict(launch=launch, impl=static.config.impl, interpret=static.interpret)
 
 
 def _forward(static: _Static, x, wg, wu, wd):
@@ -326,18 +183,20 @@ def _forward(static: _Static, x, wg, wu, wd):
         # keeps the entries > 0, so no separate relu pass over [M, N].
         u = jnp.einsum("mh,nh->mn", x, wg, preferred_element_type=x.dtype)
     with jax.named_scope("twell_compact"):
-        ell, fired = st.compact_rows(u, **cfg.compact_kwargs(), interpret=static.interpret)
-        plan = hf.plan_tail(ell.counts, width, caps)
-        ell_count = hf.ell_counts(ell.counts, width)
+        ell, fired = compaction.compact_rows(
+            u, width=width, launch=cfg.compact, impl=cfg.impl, interpret=static.interpret
+        )
+        plan = fmt.plan_tail(ell.counts, width, caps)
+        ell_count = fmt.ell_counts(ell.counts, width)
     fallback = plan.bucket == len(caps)
 
     def sparse(_):
         with jax.named_scope("twell_sddmm_up"):
-            kw = _kernel_kwargs(static, "sddmm_up")
-            r, t, l1_rows = st.sddmm_up(x, wu, ell_count, ell.cols, ell.vals, **kw)
+            kw = _kernel_kwargs(static, cfg.sddmm_up)
+            r, t, l1_rows = row_kernels.sddmm_up(x, wu, ell_count, ell.cols, ell.vals, **kw)
         with jax.named_scope("twell_spmm_down"):
-            kw = _kernel_kwargs(static, "spmm_down")
-            out = st.spmm_rows(((t, wd),), ell_count, ell.cols, out_dtype=x.dtype, **kw)
+            kw = _kernel_kwargs(static, cfg.spmm_down)
+            out = row_kernels.spmm_rows(((t, wd),), ell_count, ell.cols, out_dtype=x.dtype, **kw)
         with jax.named_scope("twell_tail_fwd"):
             branches = [functools.partial(_tail_fwd, cap) for cap in caps]
             out_t, l1_t = lax.switch(plan.bucket, branches, x, plan.rows, wg, wu, wd)
@@ -394,21 +253,22 @@ def _op_bwd(static, res, cts):
         # Outside the cond: the sort depends only on the forward's pattern, and a cond
         # whose branches hold only kernels, GEMMs and fusions runs as a CUDA-graph
         # conditional (a device-side predicate) instead of a host round trip.
-        csc = hf.build_csc(ell_count, cols, col_counts)
+        index = fmt.build_csc(ell_count, cols, col_counts)
 
     def sparse(_):
         ell = (ell_count, cols, p_vals, r, t, scale[None])
         with jax.named_scope("twell_sddmm_grad"):
-            dr, du = st.sddmm_grad(g_out, wd, *ell, **_kernel_kwargs(static, "sddmm_grad"))
+            kw = _kernel_kwargs(static, cfg.sddmm_grad)
+            dr, du = row_kernels.sddmm_grad(g_out, wd, *ell, **kw)
         with jax.named_scope("twell_spmm_dx"):
-            kw = _kernel_kwargs(static, "spmm_dx")
+            kw = _kernel_kwargs(static, cfg.spmm_dx)
             terms = ((dr, wu), (du, wg))
-            dx = st.spmm_rows(terms, ell_count, cols, out_dtype=x.dtype, **kw)
+            dx = row_kernels.spmm_rows(terms, ell_count, cols, out_dtype=x.dtype, **kw)
         with jax.named_scope("twell_csc_entries"):
-            entries = st.csc_entries(csc, cfg.ell_width, dr, du, t)
+            entries = csc.csc_entries(index, cfg.ell_width, dr, du, t)
         with jax.named_scope("twell_spmm_csc"):
-            kw_csc = dict(cfg.csc_kernel_kwargs(), interpret=static.interpret)
-            dwu, dwg, dwd = st.spmm_csc(csc.offsets, csc.order, *entries, x, g_out, **kw_csc)
+            kw = _kernel_kwargs(static, cfg.spmm_csc)
+            dwu, dwg, dwd = csc.spmm_csc(index.offsets, index.order, *entries, x, g_out, **kw)
         with jax.named_scope("twell_tail_bwd"):
             branches = [functools.partial(_tail_bwd, cap) for cap in caps]
             dx_t, (dwg, dwu, dwd) = lax.switch(
@@ -438,7 +298,7 @@ def sparse_gated_mlp_train(
     config: SparseTrainConfig = SparseTrainConfig(),
     interpret: bool | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Activation-sparse gated ReLU MLP with a sparse backward (twell.md §5).
+    """Activation-sparse gated ReLU MLP with a sparse backward (docs/design.md §5-§6).
 
     Args:
         x: [..., H] tokens (bf16); leading axes are flattened to M tokens.

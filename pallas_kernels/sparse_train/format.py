@@ -1,4 +1,4 @@
-"""Hybrid ELL + dense-tail layout of the sparse gate for training (twell.md §5).
+"""Hybrid ELL + dense-tail layout of the sparse gate for training (docs/design.md §5).
 
 A sparse gate P = relu(x Wg^T) [M, N] is held as
 - an ELL part of width W: per row the TRUE positive count (not capped at W), the
@@ -15,8 +15,7 @@ The transposed products (weight gradients) need the pattern by neuron (CSC). It 
 built with a stable XLA sort of the ELL slots by column, so entries of a neuron are in
 token order and the result is deterministic (no atomics).
 
-Everything here is plain `jnp`; `sparse_train.compact_rows` is the Pallas version of
-`compact_rows_ref`.
+Everything here is plain `jnp`; `compaction.compact_rows` builds the ELL part.
 """
 
 from __future__ import annotations
@@ -89,29 +88,6 @@ def ell_counts(counts: jax.Array, width: int) -> jax.Array:
     return jnp.where(counts > width, 0, counts).astype(jnp.int32)
 
 
-def compact_rows_ref(p: jax.Array, width: int) -> tuple[EllRows, jax.Array]:
-    """Packs the positive entries of a gate [M, N] into ELL rows of width W (jnp reference).
-
-    Args:
-        p: [M, N] gate pre-activations (or their relu); entries > 0 are the pattern.
-        width: W, the ELL width.
-
-    Returns:
-        (EllRows, fired) where fired is bool [N]: the neuron is positive in some row.
-    """
-    m, n = p.shape
-    pos = p > 0
-    counts = jnp.sum(pos, axis=1, dtype=jnp.int32)
-    col_counts = jnp.sum(pos & (counts <= width)[:, None], axis=0, dtype=jnp.int32)
-    slot = jnp.cumsum(pos, axis=1, dtype=jnp.int32) - 1
-    slot = jnp.where(pos & (slot < width), slot, width)  # width: out of range, dropped
-    rows = jnp.arange(m, dtype=jnp.int32)[:, None]
-    col_ids = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[None, :], (m, n))
-    cols = jnp.zeros((m, width), jnp.int32).at[rows, slot].set(col_ids, mode="drop")
-    vals = jnp.zeros((m, width), p.dtype).at[rows, slot].set(p, mode="drop")
-    return EllRows(counts, cols, vals, col_counts), jnp.any(pos, axis=0)
-
-
 def plan_tail(counts: jax.Array, width: int, capacities: tuple[int, ...]) -> TailPlan:
     """Selects the heavy rows (count > W) and the smallest capacity bucket that fits."""
     m = counts.shape[0]
@@ -130,8 +106,8 @@ def plan_tail(counts: jax.Array, width: int, capacities: tuple[int, ...]) -> Tai
 def heaviest_first(col_counts: jax.Array) -> jax.Array:
     """int32 [N]: columns by descending floor(log2(count)), ties by id.
 
-    A stable counting sort over 32 buckets (a few small fused XLA ops; an XLA sort of
-    N keys is a ~40 us bitonic kernel at N=5632 on the H200).
+    A stable counting sort over 32 buckets: a few small fused XLA ops instead of an XLA
+    sort of N keys (docs/performance_notes.md, "Weight-gradient CSC SpMM").
     """
     n = col_counts.shape[0]
     bucket = lax.clz(col_counts.astype(jnp.int32))  # 32 for 0; fewer leading zeros: heavier
@@ -162,7 +138,7 @@ def build_csc(ell_count: jax.Array, cols: jax.Array, col_counts: jax.Array) -> C
     # Offsets and order are computed after the sort (a data dependency through the
     # barrier): the sort cannot join a CUDA graph, and XLA only puts runs of at least
     # a few capturable ops into one. Scheduled before it, these fusions left the
-    # backward's cond a run of one, so it went back to a host round trip (~0.1 ms).
+    # backward's cond a run of one, so it went back to a host round trip (§6.4).
     col_counts = lax.optimization_barrier((col_counts, slots))[0]
     offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(col_counts, dtype=jnp.int32)])
     return Csc(offsets, slots, heaviest_first(col_counts))

@@ -1,0 +1,83 @@
+"""Static configuration of the sparse training op: ELL width, tail buckets, backend and
+one launch per kernel."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pallas_kernels import _triton
+from pallas_kernels._gather import RowLaunch
+from pallas_kernels.sparse_train.compaction import CompactLaunch
+
+# The launch fields of the per-row kernels; each gathers `group` ELL slots of one row
+# per loop step, so the ELL width must be a multiple of their groups.
+ROW_FIELDS = ("sddmm_up", "spmm_down", "sddmm_grad", "spmm_dx")
+# Every RowLaunch field: the row kernels and the per-neuron SpMM.
+LAUNCH_FIELDS = (*ROW_FIELDS, "spmm_csc")
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseTrainConfig:
+    """Static configuration of `sparse_gated_mlp_train` (hashable).
+
+    Attributes:
+        ell_width: W, ELL slots per row (a power of two, a multiple of every row
+            kernel's group).
+        tail_capacities: ascending static row capacities of the dense tail; 0 means
+            "no tail work". More heavy rows than the largest: dense fallback.
+        impl: "pallas" (Triton kernels) or "xla" (the same algorithm in plain jnp, for
+            CPU and tests: it materialises [M, W, H] gathers).
+        fallback_block_rows: rows per step of the dense fallback (an unrolled loop of
+            at most 16 dense blocks, larger M getting larger blocks), so that its
+            [rows, N] temporaries stay far below the dense MLP's.
+        compact: the compaction's tile and warps (`compaction.compact_rows`).
+        sddmm_up: forward SDDMM R = x Wu^T at the entries, T = P R
+            (`row_kernels.sddmm_up`).
+        spmm_down: forward row SpMM out = T Wd (`row_kernels.spmm_rows`, one term).
+        sddmm_grad: backward SDDMM dT = gO Wd^T at the entries, dR, dU
+            (`row_kernels.sddmm_grad`).
+        spmm_dx: backward row SpMM dx = dR Wu + dU Wg (`row_kernels.spmm_rows`, two
+            terms).
+        spmm_csc: per-neuron weight-gradient SpMM (`csc.spmm_csc`); smaller H blocks
+            spread very active neurons over more programs and shrink the gathered
+            x / gO working set (2 M block_h bf16).
+
+    Launch defaults: one warp per row keeps the SDDMMs' per-slot dot product inside a
+    warp (shuffles, no shared-memory round trip and barrier per group); the measured
+    choices are in docs/performance_notes.md ("Compaction", "Training row kernels",
+    "Weight-gradient CSC SpMM"). Block widths are fitted to H (and the compaction's
+    columns to N) by `op.resolve_config`.
+    """
+
+    ell_width: int = 128
+    tail_capacities: tuple[int, ...] = (0, 256, 1024, 2048)
+    impl: str = "pallas"
+    fallback_block_rows: int = 2048
+    compact: CompactLaunch = CompactLaunch(block_rows=16, block_cols=256, num_warps=4)
+    sddmm_up: RowLaunch = RowLaunch(group=2, num_warps=1, block_h=1024)
+    spmm_down: RowLaunch = RowLaunch(group=4, num_warps=1, block_h=512)
+    sddmm_grad: RowLaunch = RowLaunch(group=4, num_warps=1, block_h=1024)
+    spmm_dx: RowLaunch = RowLaunch(group=2, num_warps=4, block_h=1024)
+    spmm_csc: RowLaunch = RowLaunch(group=4, num_warps=2, block_h=512)
+
+    def __post_init__(self):
+        caps = self.tail_capacities
+        if not caps or list(caps) != sorted(caps) or caps[0] < 0:
+            raise ValueError(f"tail_capacities must be ascending and >= 0, got {caps}")
+        if self.impl not in ("pallas", "xla"):
+            raise ValueError(f"impl must be 'pallas' or 'xla', got {self.impl!r}")
+        if not _triton.is_pow2(self.ell_width):
+            raise ValueError(f"ell_width must be a power of two, got {self.ell_width}")
+        reasons = [getattr(self, name).unsupported(name) for name in LAUNCH_FIELDS]
+        reasons.append(self.compact.unsupported("compact"))
+        for reason in reasons:
+            if reason:
+                raise ValueError(reason)
+        for name in ROW_FIELDS:
+            group = getattr(self, name).group
+            if self.ell_width % group:
+                raise ValueError(
+                    f"ell_width {self.ell_width} is not a multiple of {name}.group={group}"
+                )
+        if self.fallback_block_rows < 1:
+            raise ValueError(f"fallback_block_rows must be >= 1, got {self.fallback_block_rows}")

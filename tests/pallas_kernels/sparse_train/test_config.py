@@ -1,0 +1,60 @@
+"""SparseTrainConfig: validation names the kernel and field, defaults, and fitting of
+every launch to the shapes."""
+
+import pytest
+
+from pallas_kernels._gather import RowLaunch
+from pallas_kernels.sparse_train import SparseTrainConfig, resolve_config, sparse_train_supported
+from pallas_kernels.sparse_train.compaction import CompactLaunch
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"ell_width": 96}, "ell_width"),
+        ({"tail_capacities": (256, 0)}, "tail_capacities"),
+        ({"impl": "cuda"}, "impl"),
+        ({"fallback_block_rows": 0}, "fallback_block_rows"),
+        ({"spmm_dx": RowLaunch(group=3, num_warps=4, block_h=64)}, r"spmm_dx\.group=3"),
+        ({"spmm_dx": RowLaunch(group=2, num_warps=3, block_h=64)}, r"spmm_dx\.num_warps=3"),
+        ({"spmm_csc": RowLaunch(group=4, num_warps=2, block_h=96)}, r"spmm_csc\.block_h=96"),
+        ({"compact": CompactLaunch(12, 128, 4)}, r"compact\.block_rows=12"),
+        (
+            {"ell_width": 16, "sddmm_up": RowLaunch(group=32, num_warps=1, block_h=64)},
+            r"multiple of sddmm_up\.group=32",
+        ),
+    ],
+)
+def test_bad_config_raises(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SparseTrainConfig(**kwargs)
+
+
+def test_default_launches():
+    """The launches the op runs at production shapes (H=2048, N=5632: nothing is fitted)."""
+    cfg = SparseTrainConfig()
+    assert cfg.compact == CompactLaunch(block_rows=16, block_cols=256, num_warps=4)
+    assert cfg.sddmm_up == RowLaunch(group=2, num_warps=1, block_h=1024)
+    assert cfg.spmm_down == RowLaunch(group=4, num_warps=1, block_h=512)
+    assert cfg.sddmm_grad == RowLaunch(group=4, num_warps=1, block_h=1024)
+    assert cfg.spmm_dx == RowLaunch(group=2, num_warps=4, block_h=1024)
+    assert cfg.spmm_csc == RowLaunch(group=4, num_warps=2, block_h=512)
+    assert resolve_config(16384, 2048, 5632, cfg) == cfg
+
+
+def test_resolve_config_fits_each_launch():
+    cfg = SparseTrainConfig(spmm_dx=RowLaunch(group=2, num_warps=2, block_h=2048))
+    fitted = resolve_config(32, 96, 192, cfg)
+    assert fitted.spmm_dx == RowLaunch(group=2, num_warps=2, block_h=32)  # 32 | 96
+    assert fitted.sddmm_up == RowLaunch(group=2, num_warps=1, block_h=32)
+    assert fitted.spmm_csc.block_h == 32
+    assert fitted.compact.block_cols == 64  # largest power of two <= 256 dividing 192
+    assert fitted.tail_capacities == (0, 32)  # capped at M
+
+
+def test_supported_names_the_launch():
+    cfg = SparseTrainConfig()
+    assert sparse_train_supported(64, 2048, 5632, cfg) is None
+    assert "sddmm_up.block_h" in sparse_train_supported(64, 100, 5632, cfg)
+    assert "compact.block_cols" in sparse_train_supported(64, 2048, 5640, cfg)
+    assert sparse_train_supported(64, 100, 5640, SparseTrainConfig(impl="xla")) is None
