@@ -1,4 +1,4 @@
-"""L1 sparsity objective, activation statistics and dead-neuron tracking (twell.md §2).
+"""L1 sparsity objective, activation statistics and dead-neuron tracking (docs/design.md §2).
 
 Everything here is a pure function over arrays, usable inside `jax.jit`:
 - `hidden_stats(h)`: per-layer l1 / l0 / fired of one FFN hidden activation [M, N].
@@ -153,7 +153,7 @@ def reinit_dead_rows(
 def next_use_sparse(
     step: jax.Array, l0: jax.Array, use_sparse: jax.Array, cfg: SparsityConfig
 ) -> jax.Array:
-    """The l0-cutoff switch (training spec §4): which layers run the sparse kernels next.
+    """The l0-cutoff switch (docs/design.md §7): which layers run the sparse kernels next.
 
     Every `sparse_recheck_every` steps (starting at step 0) a layer is switched to the
     sparse kernels iff its l0 measured in this step is below `sparse_l0_cutoff`, and back

@@ -1,0 +1,85 @@
+"""The benchmark entry points on CPU: --mode=train_model, the train-MLP record, the
+results-table printer, and the kernel benchmarks' import without the data pipeline."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+import pallas_kernels
+from experiments import results_table
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_train_model_benchmark_cli_on_cpu(tmp_path):
+    """--mode=train_model on the tiny preset: same start, same first loss, l0 on target."""
+    out = tmp_path / "train_model.json"
+    flags = "--model_presets=tiny --model_nnz=20 --train_model_batch=2 --model_seq=128 --reps=2"
+    flags += " --train_model_set=sparse_ell_width=32"
+    args = ["-m", "experiments.benchmark", "--mode=train_model", *flags.split(), f"--out={out}"]
+    run = subprocess.run(
+        [sys.executable, *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    res = json.loads(out.read_text())
+    (rec,) = res["cases"]
+    assert res["mode"] == "train_model" and rec["preset"] == "tiny"
+    assert rec["model_overrides"] == {"sparse_ell_width": "32"}
+    assert rec["calls_per_chain"] == 4 and rec["reps"] == 2 and rec["tokens"] == 256
+    # Same weights and batch: only the kernels' rounding separates the first losses.
+    assert rec["first_loss_sparse"] == pytest.approx(rec["first_loss_dense"], rel=1e-3)
+    assert rec["first_grad_norm_sparse"] == pytest.approx(rec["first_grad_norm_dense"], rel=1e-2)
+    for impl in ("dense", "sparse"):
+        assert 10 < rec[f"{impl}_l0_first"] < 30
+        # lr 1e-12: the weights, and so the sparsity, stay where they were calibrated
+        assert rec[f"{impl}_l0_last"] == pytest.approx(rec[f"{impl}_l0_first"], rel=1e-3)
+        assert rec[f"{impl}_memory"]["temp_bytes"] > 0  # XLA's compiled sizes of each step
+        assert rec[f"{impl}_memory"]["argument_bytes"] > rec["tokens"] * 8  # state + batch
+    assert rec["sparse_layers_last"] == 4  # the tiny preset's layers, all sparse
+    assert rec["dense_fallback_total"] == 0
+    assert rec["speedup"] == pytest.approx(rec["dense_ms"] / rec["sparse_ms"])
+    table = results_table.train_model_table(res)
+    assert "| tiny | 256 |" in table and table.count("\n") == 2
+
+
+def test_train_benchmark_runs_on_cpu_with_the_xla_kernels():
+    """The --mode=train record on tiny shapes: sparse and dense agree, heavy rows fall back."""
+    from experiments import benchmark_train
+
+    cfg = pallas_kernels.SparseTrainConfig(
+        impl="xla",
+        ell_width=16,
+        tail_capacities=(0, 4),
+    )
+    light, heavy = benchmark_train.run(
+        M=40, H=64, N=256, nnz_targets=(5, 200), reps=2, config=cfg, breakdown=True
+    )
+    assert 3 < light["l0"] < 8 and light["dense_fallback"] == 0
+    assert heavy["tail_rows"] == 40 and heavy["dense_fallback"] == 1
+    for rec in (light, heavy):
+        assert max(rec["grad_rel_err"].values()) < 2e-2  # bf16, norm-relative
+        assert rec["sparse_ms"] > 0 and rec["dense_ms"] > 0
+        assert {"gate_gemm", "compact", "spmm_csc"} <= set(rec["breakdown_ms"])
+
+
+def test_results_table_names_a_file_that_is_not_a_benchmark_output(tmp_path):
+    record = tmp_path / "s11_ab.json"
+    record.write_text('{"command": "python scratch/ab.py", "results": {}}')
+    with pytest.raises(
+        SystemExit, match=r"s11_ab\.json: not a --mode=kernel/train/model/train_model"
+    ):
+        results_table.main([str(record)])
+
+
+def test_kernel_and_train_benchmarks_import_without_grain():
+    """BUILD.md: --mode=kernel/train need only jax and numpy (no data pipeline)."""
+    code = "import sys; sys.modules['grain'] = None; import experiments.benchmark"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, timeout=300)
