@@ -4,7 +4,7 @@ PY312 := $(shell for p in python3.12 /root/.pyenv/versions/3.12*/bin/python3.12 
 VENV := .venv
 PYTHON := $(VENV)/bin/python
 
-.PHONY: venv pretrain test lint gpu-test
+.PHONY: venv pretrain test test-fast lint gpu-test
 
 venv: $(VENV)/.installed
 
@@ -23,9 +23,13 @@ lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-# CPU suite (what CI runs): lint, then every test not marked gpu.
+# CPU suite (what CI runs): lint, then every test not marked gpu (the slow CLI runs too).
 test: lint
 	$(PYTHON) -m pytest -m "not gpu" -q
+
+# The CPU suite without the subprocess / CLI runs marked slow.
+test-fast: venv
+	$(PYTHON) -m pytest -m "not gpu and not slow" -q
 
 # On a GPU machine: the same numeric tests with interpret=False.
 gpu-test: venv

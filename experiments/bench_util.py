@@ -1,13 +1,19 @@
-"""Timing and synthetic-sparsity helpers shared by the benchmarks."""
+"""Timing and error helpers shared by the benchmarks."""
 
 from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+
+# experiments/benchmark.py reads the synthetic MLP from here; its home is twell_jax.synthetic.
+from twell_jax.synthetic import synthetic_mlp  # noqa: F401
+
+# Seconds since an arbitrary origin, like `time.perf_counter`.
+Clock = Callable[[], float]
 
 
 def _summary(times_ms: list[float]) -> dict:
@@ -21,11 +27,14 @@ def _summary(times_ms: list[float]) -> dict:
     }
 
 
-def time_fn(fn, *args, warmup: int = 5, reps: int = 50, inner: int = 1) -> dict:
+def time_fn(
+    fn, *args, warmup: int = 5, reps: int = 50, inner: int = 1, clock: Clock = time.perf_counter
+) -> dict:
     """Wall time of `fn(*args)` per call, synchronised, after `warmup` calls.
 
     Each of the `reps` samples times `inner` back-to-back calls and one sync, divided
     by `inner` (inner > 1 hides the launch gap between short calls, as in a step).
+    `clock` returns seconds (tests pass a fake one).
 
     Returns {"median_ms", "p10_ms", "p90_ms", "reps"}.
     """
@@ -33,15 +42,22 @@ def time_fn(fn, *args, warmup: int = 5, reps: int = 50, inner: int = 1) -> dict:
         jax.block_until_ready(fn(*args))
     times = []
     for _ in range(reps):
-        start = time.perf_counter()
+        start = clock()
         for _ in range(inner):
             out = fn(*args)
         jax.block_until_ready(out)
-        times.append((time.perf_counter() - start) * 1e3 / inner)
+        times.append((clock() - start) * 1e3 / inner)
     return _summary(times)
 
 
-def time_interleaved(fns: dict, *args, warmup: int = 3, reps: int = 15, inner: int = 1) -> dict:
+def time_interleaved(
+    fns: dict,
+    *args,
+    warmup: int = 3,
+    reps: int = 15,
+    inner: int = 1,
+    clock: Clock = time.perf_counter,
+) -> dict:
     """Wall times of several functions of the same `args`, called in rotation.
 
     One round calls every function `inner` times back to back, synchronised after each
@@ -50,14 +66,14 @@ def time_interleaved(fns: dict, *args, warmup: int = 3, reps: int = 15, inner: i
     when one call takes most of a second and two runs differ by a few percent.
     Every other round runs in reverse order (a b | b a | a b ...), so each function
     follows each other one equally often: on a power-limited GPU a kernel that runs
-    right after dense GEMMs starts throttled (with a fixed order, the variant right
-    after the dense MLP ran 3-5% slower than the same kernels later in the round on
-    the H200; results/s13_hlo.json). Each function still runs partly in the power
+    right after dense GEMMs starts throttled, and a fixed order would charge that to
+    whichever function comes second. Each function still runs partly in the power
     state the others leave, so a ratio timed this way can differ from the ratio of
-    each function timed alone (results/NOTES.md, session 13).
+    each function timed alone (docs/design.md §8).
 
     Args:
       fns: name -> callable.
+      clock: returns seconds (tests pass a fake one).
 
     Returns:
       name -> {"median_ms", "p10_ms", "p90_ms", "reps", "times_ms"}; also
@@ -66,11 +82,11 @@ def time_interleaved(fns: dict, *args, warmup: int = 3, reps: int = 15, inner: i
     """
 
     def timed(name):
-        start = time.perf_counter()
+        start = clock()
         for _ in range(inner):
             out = fns[name](*args)
         jax.block_until_ready(out)
-        return (time.perf_counter() - start) * 1e3 / inner
+        return (clock() - start) * 1e3 / inner
 
     warm = lambda name: jax.block_until_ready(fns[name](*args))
     return _rotation_summary(_rotate(list(fns), warm, timed, warmup, reps))
@@ -102,7 +118,12 @@ def _rotation_summary(times: dict[str, list[float]]) -> dict:
 
 
 def time_steps_interleaved(
-    steps: dict, states: dict, *args, warmup: int = 2, reps: int = 10
+    steps: dict,
+    states: dict,
+    *args,
+    warmup: int = 2,
+    reps: int = 10,
+    clock: Clock = time.perf_counter,
 ) -> tuple[dict, dict, dict]:
     """`time_interleaved` for functions that carry a state: `state, aux = step(state, *args)`.
 
@@ -113,6 +134,7 @@ def time_steps_interleaved(
     Args:
       steps: name -> callable returning (new state, aux).
       states: name -> that function's initial state (consumed if the step donates it).
+      clock: returns seconds (tests pass a fake one).
 
     Returns:
       (timing as `time_interleaved` returns it, name -> final state, name -> list of
@@ -122,11 +144,11 @@ def time_steps_interleaved(
     auxes = {name: [] for name in steps}
 
     def call(name):
-        start = time.perf_counter()
+        start = clock()
         states[name], aux = steps[name](states[name], *args)
         jax.block_until_ready((states[name], aux))
         auxes[name].append(aux)
-        return (time.perf_counter() - start) * 1e3
+        return (clock() - start) * 1e3
 
     times = _rotate(list(steps), call, call, warmup, reps)
     return _rotation_summary(times), states, auxes
@@ -144,33 +166,6 @@ def compiled_memory(lowered) -> dict:
         }
     except Exception as e:  # backends without memory_analysis
         return {"memory_analysis_error": repr(e)}
-
-
-def gate_threshold(nnz_per_row: float, n: int, h: int, x_std: float, w_std: float) -> float:
-    """Bias that leaves about `nnz_per_row` of N gate pre-activations positive.
-
-    With x[:, 0] = 1 and Wg[:, 0] = -thr, a gate pre-activation is a normal with std
-    sqrt(H - 1) * x_std * w_std shifted by -thr.
-    """
-    p = min(max(nnz_per_row / n, 1e-9), 0.5)
-    std = np.sqrt(h - 1) * x_std * w_std
-    return float(std * statistics.NormalDist().inv_cdf(1.0 - p))
-
-
-def synthetic_mlp(m: int, h: int, n: int, nnz_per_row: float, seed: int = 0):
-    """bf16 x [M, H] and gate/up/down weights [N, H] with ~nnz_per_row positive gates.
-
-    The sparsity comes from a bias-like column: x[:, 0] = 1 and Wg[:, 0] = -thr.
-    """
-    k = jax.random.split(jax.random.key(seed), 4)
-    w_std = 0.02
-    x = jax.random.normal(k[0], (m, h), jnp.float32)
-    x = x.at[:, 0].set(1.0).astype(jnp.bfloat16)
-    w_gate = jax.random.normal(k[1], (n, h), jnp.float32) * w_std
-    w_gate = w_gate.at[:, 0].set(-gate_threshold(nnz_per_row, n, h, 1.0, w_std))
-    w_up = jax.random.normal(k[2], (n, h), jnp.float32) * w_std
-    w_down = jax.random.normal(k[3], (n, h), jnp.float32) * w_std
-    return x, w_gate.astype(jnp.bfloat16), w_up.astype(jnp.bfloat16), w_down.astype(jnp.bfloat16)
 
 
 def errors(out: jax.Array, ref: jax.Array) -> dict:

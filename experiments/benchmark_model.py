@@ -1,19 +1,11 @@
-"""Model-body forward throughput, `twell` against `dense` FFNs (twell.md §7).
+"""Model-body forward throughput, `twell` against `dense` FFNs (docs/design.md §8).
 
-The paper measures the model body (no LM head) on 64 x 2048 tokens. Without trained
-weights at hand we use a synthetic-sparsity initialisation of a randomly initialised
-model, calibrated to a target number of positive gate entries per token per layer:
-
-1. every token embedding gets a constant first coordinate (1.0, against ~0.02 for the
-   others), and no layer reads or writes that coordinate otherwise (rows 0 of the
-   attention inputs, column 0 of the attention output and of the up / down weights
-   are zeroed), so the residual stream keeps it exactly: each RMS-normalised FFN
-   input carries a large, nearly constant x[:, 0];
-2. w_gate[:, 0] of layer l is set to -b_l, a per-layer bias through that coordinate;
-3. b_l is calibrated by bisection (in log space) on the measured l0 of each layer of
-   the dense model, on a small batch, until every layer sits near the target.
-
-Both implementations then run the same bf16 parameters.
+The paper measures the model body (no LM head) on 64 x 2048 tokens. `run` times a
+randomly initialised model with synthetic sparsity (`twell_jax.synthetic.
+synthetic_sparse_params`: a per-layer gate bias calibrated to a target number of
+positive gate entries per token per layer); `run_trained` times trained checkpoints of
+`experiments.pretrain` at their real sparsity. Both implementations run the same bf16
+parameters.
 """
 
 from __future__ import annotations
@@ -24,62 +16,18 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from experiments import bench_util as bu
-from experiments import train_loop
-from twell_jax import checkpoint, data, train
+from twell_jax import checkpoint, input_pipeline, sharding, train, trainer
 from twell_jax.config import ModelConfig, TrainConfig, model_preset, train_config_from_dict
-from twell_jax.model import Transformer
-
-
-def _with_gate_bias(params: dict, bias: jax.Array) -> dict:
-    """params with w_gate[l, :, 0] = -bias[l] (bias [L]); the other arrays are shared."""
-    ffn = params["blocks"]["ffn"]
-    w_gate = ffn["w_gate"].at[:, :, 0].set(-bias[:, None].astype(ffn["w_gate"].dtype))
-    return {**params, "blocks": {**params["blocks"], "ffn": {**ffn, "w_gate": w_gate}}}
-
-
-def synthetic_sparse_params(
-    preset: str, nnz: float, seed: int = 0, calib_tokens=(8, 2048), rounds: int = 14
-) -> tuple[dict, np.ndarray]:
-    """bf16 parameters of `preset` with ~nnz positive gate entries per token per layer.
-
-    Returns (pure-dict params for `nnx.merge`, l0 per layer [L] measured on the
-    calibration batch).
-    """
-    cfg = model_preset(preset, ffn_impl="dense", remat=False)
-    graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(seed)))
-    params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), nnx.to_pure_dict(state))
-    params["embed"] = params["embed"].at[:, 0].set(1.0)
-    attn, ffn = params["blocks"]["attn"], params["blocks"]["ffn"]
-    for name in ("wq", "wk", "wv"):  # [L, H, nH, D]: ignore the constant coordinate
-        attn[name] = attn[name].at[:, 0].set(0)
-    attn["wo"] = attn["wo"].at[..., 0].set(0)  # [L, nH, D, H]: never write it
-    for name in ("w_up", "w_down"):  # [L, N, H]
-        ffn[name] = ffn[name].at[:, :, 0].set(0)
-    tokens = jax.random.randint(jax.random.key(seed + 1), calib_tokens, 0, cfg.vocab_size)
-
-    @jax.jit
-    def layer_l0(params):
-        return nnx.merge(graphdef, params)(tokens)[1]["l0"]
-
-    lo = jnp.full((cfg.n_layers,), 1e-3)
-    hi = jnp.full((cfg.n_layers,), 1e3)
-    for _ in range(rounds):  # geometric bisection: l0 falls as the bias grows
-        mid = jnp.sqrt(lo * hi)
-        l0 = layer_l0(_with_gate_bias(params, mid))
-        lo = jnp.where(l0 > nnz, mid, lo)
-        hi = jnp.where(l0 > nnz, hi, mid)
-    params = _with_gate_bias(params, jnp.sqrt(lo * hi))
-    return params, np.asarray(layer_l0(params))
+from twell_jax.synthetic import synthetic_sparse_params
 
 
 def _body_fn(cfg: ModelConfig):
     graphdef = train.model_graphdef(dataclasses.replace(cfg, remat=False))
     body = jax.jit(lambda s, t: nnx.merge(graphdef, s).body(t))
-    stats = jax.jit(lambda s, t: nnx.merge(graphdef, s)._body(t, None)[1])
+    stats = jax.jit(lambda s, t: nnx.merge(graphdef, s).hidden_states(t)[1])
     return body, stats
 
 
@@ -172,14 +120,14 @@ def trained_params(workdir: str) -> tuple[TrainConfig, dict, int]:
       FileNotFoundError: no config.json or no checkpoint in `workdir`.
     """
     path = Path(workdir)
-    config_file = path / train_loop.CONFIG_FILE
+    config_file = path / trainer.CONFIG_FILE
     if not config_file.is_file():
         raise FileNotFoundError(f"{config_file}: not a pretrain workdir (no config.json)")
     cfg = train_config_from_dict(json.loads(config_file.read_text()))
-    mesh = train.make_mesh()
-    with checkpoint.Checkpointer(path / train_loop.CHECKPOINT_DIR) as ckpt:
+    mesh = sharding.make_mesh()
+    with checkpoint.Checkpointer(path / trainer.CHECKPOINT_DIR) as ckpt:
         if ckpt.latest_step() is None:
-            raise FileNotFoundError(f"{path / train_loop.CHECKPOINT_DIR}: no checkpoint")
+            raise FileNotFoundError(f"{path / trainer.CHECKPOINT_DIR}: no checkpoint")
         restored = ckpt.restore(train.abstract_train_state(cfg, mesh))
     params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), restored.state.params)
     return cfg, params, restored.step
@@ -197,10 +145,10 @@ def run_trained(
     records = []
     for workdir in workdirs:
         cfg, params, step = trained_params(workdir)
-        data_cfg = data.DataConfig(
+        data_cfg = input_pipeline.DataConfig(
             data_dir, seq_len=cfg.model.seq_len, batch_size=batch, seed=cfg.seed
         )
-        tokens = jnp.asarray(next(data.make_val_iterator(data_cfg, 1))["inputs"])
+        tokens = jnp.asarray(next(input_pipeline.make_val_iterator(data_cfg, 1))["inputs"])
         head = {
             "workdir": str(workdir),
             "step": step,

@@ -1,8 +1,8 @@
-"""Whole-model training-step throughput, `sparse` against `dense` FFNs (twell.md §7).
+"""Whole-model training-step throughput, `sparse` against `dense` FFNs (docs/design.md §8).
 
 The paper reports tokens/ms of the full training step (forward, backward, AdamW) of
 its 2B model, sparse against dense: +21.9% on an H100. Here both start from the same
-synthetic-sparsity weights (`benchmark_model.synthetic_sparse_params`: a per-layer gate
+synthetic-sparsity weights (`twell_jax.synthetic.synthetic_sparse_params`: a per-layer gate
 bias calibrated so that about `nnz` gate entries per token per layer are positive) and
 a fresh AdamW state, and each steps its own state chain on the same batch, in rotation
 (`bench_util.time_steps_interleaved`). The sparse model starts with every layer on the
@@ -32,15 +32,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import bench_util as bu
-from experiments import benchmark_model
-from twell_jax import train
-from twell_jax.config import (
-    OptimConfig,
-    SparsityConfig,
-    TrainConfig,
-    model_preset,
-    with_overrides,
-)
+from twell_jax import sharding, train
+from twell_jax.config import OptimConfig, SparsityConfig, TrainConfig, model_preset
+from twell_jax.overrides import with_overrides
+from twell_jax.synthetic import synthetic_sparse_params
 
 IMPLS = ("dense", "sparse")
 # Small enough that AdamW's updates round away in the fp32 weights (module docstring).
@@ -63,7 +58,7 @@ def _batch(vocab: int, batch: int, seq: int, mesh) -> dict[str, jax.Array]:
     """{"inputs", "targets"}: int32 [batch, seq], targets the inputs shifted by one."""
     tokens = jax.random.randint(jax.random.key(7), (batch, seq + 1), 0, vocab)
     arrays = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
-    return jax.device_put(arrays, train.batch_sharding(mesh))
+    return jax.device_put(arrays, sharding.batch_sharding(mesh))
 
 
 def _record(metrics: dict[str, list], timing: dict, n_tokens: int) -> dict:
@@ -123,12 +118,10 @@ def run(
     Returns:
       one record per preset (see `_record`), also printed as it completes.
     """
-    mesh = train.make_mesh()
+    mesh = sharding.make_mesh()
     records = []
     for preset in presets:
-        params, calib_l0 = benchmark_model.synthetic_sparse_params(
-            preset, nnz, calib_tokens=(batch, seq)
-        )
+        params, calib_l0 = synthetic_sparse_params(preset, nnz, calib_tokens=(batch, seq))
         steps, states = {}, {}
         for impl in IMPLS:
             cfg = _train_config(preset, impl, batch, seq, l1_coef, model_overrides or {})

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from absl import app, flags, logging
 
-from twell_jax import data, tokenizer
+from twell_jax import corpus, tokenizer
 
 _DATA_DIR = flags.DEFINE_string("data_dir", None, "Output directory.", required=True)
 _INPUTS = flags.DEFINE_list(
@@ -28,29 +28,29 @@ _BPE_VOCAB_SIZE = flags.DEFINE_integer(
 _MAX_BYTES = flags.DEFINE_integer("max_bytes", 0, "Cap on the stdlib corpus size; 0: no cap.")
 _TEXT_FIELD = flags.DEFINE_string("text_field", "text", "Text field of .jsonl records.")
 _VAL_FRACTION = flags.DEFINE_float("val_fraction", 0.01, "Fraction of documents for val.")
-_SHARD_TOKENS = flags.DEFINE_integer("shard_tokens", data.DEFAULT_SHARD_TOKENS, "Tokens/shard.")
+_SHARD_TOKENS = flags.DEFINE_integer("shard_tokens", corpus.DEFAULT_SHARD_TOKENS, "Tokens/shard.")
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace an existing prepared corpus.")
 
 
 def _documents():
     """A fresh iterator over the selected corpus (BPE training reads it once more)."""
     if _INPUTS.value:
-        return data.file_documents(_INPUTS.value, _TEXT_FIELD.value)
-    return data.stdlib_documents(_MAX_BYTES.value)
+        return corpus.file_documents(_INPUTS.value, _TEXT_FIELD.value)
+    return corpus.stdlib_documents(_MAX_BYTES.value)
 
 
 def main(argv):
     del argv
-    source = ",".join(_INPUTS.value) or f"stdlib:{data.stdlib_root()}"
-    if (Path(_DATA_DIR.value) / data.META_FILE).exists() and not _OVERWRITE.value:
+    source = ",".join(_INPUTS.value) or f"stdlib:{corpus.stdlib_root()}"
+    if (Path(_DATA_DIR.value) / corpus.META_FILE).exists() and not _OVERWRITE.value:
         raise app.UsageError(f"{_DATA_DIR.value} is already prepared; pass --overwrite")
     if _BPE_VOCAB_SIZE.value:
-        tok = data.train_corpus_bpe(
+        tok = corpus.train_corpus_bpe(
             _documents(), _DATA_DIR.value, _BPE_VOCAB_SIZE.value, _VAL_FRACTION.value
         )
     else:
         tok = tokenizer.load_tokenizer(_TOKENIZER.value)
-    meta = data.prepare_corpus(
+    meta = corpus.prepare_corpus(
         _documents(),
         _DATA_DIR.value,
         tok,
@@ -59,8 +59,8 @@ def main(argv):
         shard_tokens=_SHARD_TOKENS.value,
         overwrite=_OVERWRITE.value,
     )
-    logging.info("wrote %s/%s", _DATA_DIR.value, data.META_FILE)
-    print(data.summary(meta))
+    logging.info("wrote %s/%s", _DATA_DIR.value, corpus.META_FILE)
+    print(corpus.summary(meta))
 
 
 if __name__ == "__main__":

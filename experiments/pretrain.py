@@ -27,11 +27,8 @@ from typing import Any
 import jax
 from absl import app, flags, logging
 
-from experiments import train_loop
 from twell_jax import config as config_lib
-from twell_jax import data
-
-_DEFAULT_DATA_DIR = data.DataConfig.data_dir
+from twell_jax import corpus, overrides, trainer
 
 _PRESET = flags.DEFINE_enum(
     "preset", "tiny", ["tiny", "125m", "0.5b", "1b", "1.5b", "2b"], "Model / schedule preset."
@@ -41,7 +38,7 @@ _WORKDIR = flags.DEFINE_string(
 )
 _DATA_DIR = flags.DEFINE_string(
     "data_dir",
-    _DEFAULT_DATA_DIR,
+    corpus.DEFAULT_DATA_DIR,
     "Prepared corpus (experiments.prepare_data). The default is prepared from the Python "
     "stdlib on first use.",
 )
@@ -112,24 +109,23 @@ def resolve_config() -> config_lib.TrainConfig:
       app.UsageError: an override names an unknown field or an invalid value.
     """
     cfg = config_lib.train_preset(_PRESET.value)
-    overrides: dict[str, Any] = {
+    changes: dict[str, Any] = {
         _FIELDS[name][0]: flag.value
         for name, flag in _FIELD_FLAGS.items()
         if flag.value is not None
     }
     if _MESH_DATA.value is not None or _MESH_FSDP.value is not None:
         data_size, fsdp_size = cfg.mesh_shape
-        overrides["mesh_shape"] = (
+        changes["mesh_shape"] = (
             data_size if _MESH_DATA.value is None else _MESH_DATA.value,
             fsdp_size if _MESH_FSDP.value is None else _MESH_FSDP.value,
         )
-    for item in _SET.value:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise app.UsageError(f"--set={item!r}: expected section.field=value")
-        overrides[key.strip()] = value.strip()
     try:
-        return config_lib.with_overrides(cfg, overrides)
+        changes.update(overrides.parse_assignments(_SET.value))
+    except ValueError as e:
+        raise app.UsageError(f"--set={e}") from e
+    try:
+        return overrides.with_overrides(cfg, changes)
     except ValueError as e:
         raise app.UsageError(f"invalid config override: {e}") from e
 
@@ -163,10 +159,10 @@ def main(argv):
     )
     logging.info("workdir %s, data_dir %s, resume %s", workdir, _DATA_DIR.value, _RESUME.value)
 
-    if _DATA_DIR.value == _DEFAULT_DATA_DIR:
-        data.ensure_default_data(_DATA_DIR.value)  # zero-setup default corpus
+    if _DATA_DIR.value == corpus.DEFAULT_DATA_DIR:
+        corpus.ensure_default_data(_DATA_DIR.value)  # zero-setup default corpus
     sp = cfg.sparsity
-    opts = train_loop.RunOptions(
+    opts = trainer.RunOptions(
         workdir=workdir,
         data_dir=_DATA_DIR.value,
         max_to_keep=_MAX_TO_KEEP.value or None,
@@ -177,7 +173,7 @@ def main(argv):
             f"L1 {sp.l1_coef:g} (warmup {sp.l1_warmup_steps})"
         ),
     )
-    summary = train_loop.run(cfg, opts)
+    summary = trainer.run(cfg, opts)
     logging.info("summary: %s", json.dumps(summary))
 
 

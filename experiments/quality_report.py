@@ -1,10 +1,10 @@
 """Compares pretraining runs: final validation CE, sparsity, and one plot over steps.
 
-    python -m experiments.quality_report --baseline=results/quality_125m/l1_0.jsonl \
-        results/quality_125m/l1_*.jsonl --plot=results/quality_125m/sparsity_ce.png
+    python -m experiments.quality_report --baseline=l1_0.jsonl l1_*.jsonl \
+        --plot=sparsity_ce.png
 
-Each input is a run's metrics.jsonl (experiments/train_loop.py writes it); its label is
-the file's stem. The table goes to stdout in Markdown, for README.
+Each input is a copy of a run's metrics.jsonl (`twell_jax.trainer` writes it); its
+label is the file's stem. The table goes to stdout in Markdown, for README.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Llama-style transformer with an activation-sparse FFN, in Flax NNX (twell.md §6).
+"""Llama-style transformer with an activation-sparse FFN, in Flax NNX (docs/design.md §7).
 
     tokens -> embed -> [x + Attn(RMSNorm(x)); x + FFN(RMSNorm(x))] x L -> RMSNorm
            -> LM head (tied by default) -> logits, per-layer FFN stats
@@ -15,10 +15,10 @@ FFN implementations (`ModelConfig.ffn_impl`):
 - "twell": `pallas_kernels.twell_gated_mlp` / `twell_mlp` (TwELL inference kernels,
   no sparse gradient); statistics are l0 and TwELL overflow counters only.
 - "sparse": `pallas_kernels.sparse_gated_mlp_train` on layers whose `use_sparse` flag is
-  set, the dense path on the others (the l0-cutoff switch, training spec §6.5).
+  set, the dense path on the others (the l0-cutoff switch, docs/design.md §7).
 
-Multi-device: trace the model under `jax.set_mesh(mesh)` with a ("data", "fsdp") mesh
-(`twell_jax.train` does); activations are then kept split over the batch and the
+Multi-device: trace the model under `jax.set_mesh(mesh)` with a `twell_jax.sharding`
+mesh (`twell_jax.train` does); activations are then kept split over the batch and the
 Pallas kernels run per batch shard in `shard_map`. Without a mesh in context the model
 is single-device code.
 
@@ -34,14 +34,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
+from twell_jax import sharding
 from twell_jax.config import ModelConfig
 from twell_jax.sparsity import hidden_stats
-
-# Mesh axes the batch dimension is split over (see `twell_jax.train.make_mesh`).
-BATCH_AXES = ("data", "fsdp")
 
 Stats = dict[str, jax.Array]
 
@@ -49,7 +46,7 @@ Stats = dict[str, jax.Array]
 def attention_implementation(dtype: jnp.dtype, head_dim: int) -> str:
     """Picks `jax.nn.dot_product_attention`'s backend: cuDNN where it applies, else XLA.
 
-    cuDNN flash attention is ~5x faster than XLA's on H200 (twell.md §9) but needs a GPU,
+    cuDNN flash attention is ~5x faster than XLA's on H200 (docs/design.md §9) but needs a GPU,
     a 16-bit dtype and head_dim a multiple of 8 up to 128.
     """
     cudnn_ok = (
@@ -59,18 +56,6 @@ def attention_implementation(dtype: jnp.dtype, head_dim: int) -> str:
         and head_dim <= 128
     )
     return "cudnn" if cudnn_ok else "xla"
-
-
-def _constrain_batch(x: jax.Array) -> jax.Array:
-    """Keeps activations split over the batch axes when traced under a training mesh.
-
-    Without it the partitioner may follow the FSDP-sharded weights instead and
-    shard activations along H, which costs an all-to-all per matmul.
-    """
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or not set(BATCH_AXES) <= set(mesh.axis_names):
-        return x
-    return jax.lax.with_sharding_constraint(x, P(BATCH_AXES))
 
 
 def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], cfg: ModelConfig) -> nnx.Param:
@@ -188,7 +173,7 @@ def _ffn_twell(x: jax.Array, w: dict[str, jax.Array], compression: int) -> tuple
     }
 
 
-# Overflow counters of the sparse training op (twell.md §5: nothing silently lost);
+# Overflow counters of the sparse training op (docs/design.md §6.4: nothing silently lost);
 # zero on the dense path.
 SPARSE_COUNTERS = ("tail_rows", "dense_fallback")
 
@@ -197,7 +182,7 @@ def _ffn_sparse(x: jax.Array, w: dict[str, jax.Array], ell_width: int) -> tuple[
     """Sparse training kernels (gated ReLU), same outputs as `_ffn_dense_counted`.
 
     The L1 gradient reaches the kernels through the cotangent of the differentiable
-    `stats["l1"]` (training spec §3: c = g_l1 / M), exactly as on the dense path, so
+    `stats["l1"]` (docs/design.md §6: c = g_l1 / M), exactly as on the dense path, so
     the op's own `l1_coef` stays 0.
     """
     config = pallas_kernels.SparseTrainConfig(ell_width=ell_width)
@@ -236,21 +221,8 @@ _STAT_REDUCTIONS = {
 
 
 def _per_batch_shard(fn: Callable) -> Callable:
-    """Runs a kernel FFN `fn(x [M, H], w) -> (out, stats)` once per batch shard.
-
-    XLA cannot partition a Pallas call, so under a multi-device mesh the kernels run in
-    `shard_map`: tokens stay split over the batch axes, the weights are gathered whole
-    (what FSDP does before every layer anyway) and the statistics are combined.
-    """
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or not set(BATCH_AXES) <= set(mesh.axis_names) or mesh.size == 1:
-        return fn
-
-    def per_shard(x, w):
-        out, stats = fn(x, w)
-        return out, {k: _STAT_REDUCTIONS[k](v, BATCH_AXES) for k, v in stats.items()}
-
-    return jax.shard_map(per_shard, in_specs=(P(BATCH_AXES), P()), out_specs=(P(BATCH_AXES), P()))
+    """`sharding.per_batch_shard` with the FFN statistics' reductions."""
+    return sharding.per_batch_shard(fn, _STAT_REDUCTIONS)
 
 
 class FeedForward(nnx.Module):
@@ -308,8 +280,8 @@ class Block(nnx.Module):
 
 
 def _remat_policy(cfg: ModelConfig) -> Callable | None:
-    """Remat policy of a layer: keep the sparse op's small ELL residuals (training spec
-    §6.5) rather than recompute them; recompute everything on the other paths."""
+    """Remat policy of a layer: keep the sparse op's small ELL residuals (docs/design.md
+    §6.4) rather than recompute them; recompute everything on the other paths."""
     if cfg.ffn_impl != "sparse":
         return None
     return jax.checkpoint_policies.save_only_these_names(pallas_kernels.RESIDUALS_NAME)
@@ -332,18 +304,32 @@ class Transformer(nnx.Module):
         self.blocks = nnx.vmap(lambda k: Block(cfg, rngs=nnx.Rngs(params=k)))(keys)
         self.final_norm = RMSNorm(cfg)
 
-    def _body(self, tokens: jax.Array, use_sparse: jax.Array | None) -> tuple[jax.Array, Stats]:
+    def hidden_states(
+        self, tokens: jax.Array, use_sparse: jax.Array | None = None
+    ) -> tuple[jax.Array, Stats]:
+        """Model body without the LM head, and the per-layer FFN statistics.
+
+        Args:
+          tokens: [B, S] int32, S <= seq_len.
+          use_sparse: [L] bool per-layer switch for ffn_impl="sparse" (default: all on).
+
+        Returns:
+          Final-norm hidden states [B, S, H] in the compute dtype, and the stats of
+          `__call__`.
+        """
         cfg = self.cfg
         if use_sparse is None:
             use_sparse = jnp.ones((cfg.n_layers,), bool)
-        x = _constrain_batch(jnp.take(self.embed[...], tokens, axis=0).astype(cfg.compute_dtype))
+        x = sharding.constrain_batch(
+            jnp.take(self.embed[...], tokens, axis=0).astype(cfg.compute_dtype)
+        )
         cos, sin = rope_tables(tokens.shape[1], cfg.head_dim, cfg.rope_theta)
         graphdef, layers = nnx.split(self.blocks)
 
         def layer(x, xs):
             block_state, layer_use_sparse = xs
             x, stats = nnx.merge(graphdef, block_state)(x, cos, sin, layer_use_sparse)
-            return _constrain_batch(x), stats
+            return sharding.constrain_batch(x), stats
 
         if cfg.remat:
             # prevent_cse=False is safe (and faster) inside scan.
@@ -352,16 +338,9 @@ class Transformer(nnx.Module):
         return self.final_norm(x), stats
 
     def body(self, tokens: jax.Array, use_sparse: jax.Array | None = None) -> jax.Array:
-        """Model body without the LM head (throughput benchmarks, twell.md §7).
-
-        Args:
-          tokens: [B, S] int32, S <= seq_len.
-          use_sparse: [L] bool per-layer switch for ffn_impl="sparse" (default: all on).
-
-        Returns:
-          Final-norm hidden states [B, S, H] in the compute dtype.
-        """
-        return self._body(tokens, use_sparse)[0]
+        """`hidden_states` without the statistics (what the throughput benchmarks time,
+        docs/design.md §8)."""
+        return self.hidden_states(tokens, use_sparse)[0]
 
     def __call__(
         self, tokens: jax.Array, use_sparse: jax.Array | None = None
@@ -380,7 +359,7 @@ class Transformer(nnx.Module):
           ffn_impl="sparse" adds `tail_rows`, `dense_fallback` [L] int32; ffn_impl="twell"
           gives `l0`, `max_tile_count`, `overflow_tiles`, each [L], instead.
         """
-        x, stats = self._body(tokens, use_sparse)
+        x, stats = self.hidden_states(tokens, use_sparse)
         head = self.embed if self.cfg.tie_embeddings else self.lm_head
         # bf16 GEMM (see `_proj`), upcast for the softmax, as HF Llama does.
         logits = jnp.einsum("bsh,vh->bsv", x, head[...].astype(x.dtype))

@@ -1,13 +1,12 @@
-"""Train state, optimizer, sharding rules and the jitted train / eval steps.
+"""Train state, optimizer and the jitted train / eval steps.
 
-One code path for 1 CPU, N simulated CPUs, 1 GPU and many GPUs: a 2-D device mesh
-("data", "fsdp"); the batch dimension is split over both axes; parameters and optimizer
-state are split FSDP-style over "fsdp" (largest divisible dimension, never the stacked
-layer axis) and replicated over "data".
+One code path for 1 CPU, N simulated CPUs, 1 GPU and many GPUs: the state and the
+batches are laid out on a `twell_jax.sharding` mesh (FSDP parameters, batch split
+over every device).
 
-Typical use (what `experiments/pretrain.py` does):
+Typical use (what `twell_jax.trainer` does):
 
-    mesh = make_mesh(*cfg.mesh_shape)
+    mesh = sharding.make_mesh(*cfg.mesh_shape)
     state = create_train_state(cfg, mesh)
     train_step = make_train_step(cfg, mesh)
     eval_step = make_eval_step(cfg, mesh)
@@ -28,18 +27,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from twell_jax import sparsity
 from twell_jax.config import ModelConfig, OptimConfig, TrainConfig
-from twell_jax.model import BATCH_AXES, SPARSE_COUNTERS, Transformer
+from twell_jax.model import SPARSE_COUNTERS, Transformer
+from twell_jax.sharding import BATCH_AXES, batch_sharding, tree_shardings, with_mesh
 
 Batch = dict[str, jax.Array]
 Params = dict[str, Any]
-
-# Parameter subtree whose leaves carry a leading [L] axis (scanned, never sharded).
-STACKED = "blocks"
 
 
 @jax.tree_util.register_dataclass
@@ -60,56 +57,6 @@ class TrainState:
     opt_state: optax.OptState
     tokens_since_fired: jax.Array
     use_sparse: jax.Array
-
-
-def make_mesh(data: int = -1, fsdp: int = 1, devices: list | None = None) -> Mesh:
-    """Device mesh with axes ("data", "fsdp").
-
-    Args:
-      data, fsdp: axis sizes; one may be -1 to take all remaining devices.
-      devices: defaults to all of `jax.devices()`.
-
-    Raises:
-      ValueError: the sizes do not multiply to the device count.
-    """
-    devices = list(jax.devices() if devices is None else devices)
-    if data == -1:
-        data = len(devices) // fsdp
-    elif fsdp == -1:
-        fsdp = len(devices) // data
-    if data * fsdp != len(devices) or data < 1 or fsdp < 1:
-        raise ValueError(f"mesh (data={data}, fsdp={fsdp}) does not fit {len(devices)} devices")
-    # Auto axes: the partitioner propagates shardings; no sharding-in-types rules.
-    return jax.make_mesh(
-        (data, fsdp), ("data", "fsdp"), (AxisType.Auto, AxisType.Auto), devices=devices
-    )
-
-
-def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """[B, S] batches: B split over data x fsdp."""
-    return NamedSharding(mesh, P(BATCH_AXES))
-
-
-def param_spec(path: tuple, shape: tuple[int, ...], fsdp_size: int) -> P:
-    """FSDP rule: split the largest dimension divisible by the fsdp size, else replicate.
-
-    The leading [L] axis of stacked block parameters is excluded: `lax.scan` slices it,
-    so sharding it would gather every layer at once.
-    """
-    keys = {getattr(k, "key", getattr(k, "name", None)) for k in path}
-    first = 1 if STACKED in keys else 0
-    dims = [d for d in range(first, len(shape)) if shape[d] % fsdp_size == 0]
-    if fsdp_size == 1 or not dims:
-        return P()
-    best = max(dims, key=lambda d: shape[d])
-    return P(*[("fsdp" if d == best else None) for d in range(len(shape))])
-
-
-def _tree_shardings(tree: Any, mesh: Mesh) -> Any:
-    fsdp = mesh.shape["fsdp"]
-    return jax.tree_util.tree_map_with_path(
-        lambda path, x: NamedSharding(mesh, param_spec(path, x.shape, fsdp)), tree
-    )
 
 
 def lr_schedule(cfg: OptimConfig) -> optax.Schedule:
@@ -165,7 +112,7 @@ def _state_from_params(cfg: TrainConfig, params: Params) -> TrainState:
         params=params,
         opt_state=make_optimizer(cfg.optim).init(params),
         tokens_since_fired=sparsity.init_tokens_since_fired(m.n_layers, m.d_ff),
-        # Layers start dense; the l0-cutoff switch turns them sparse (training spec §4).
+        # Layers start dense; the l0-cutoff switch turns them sparse (docs/design.md §7).
         use_sparse=jnp.zeros((m.n_layers,), bool),
     )
 
@@ -180,21 +127,21 @@ def _params_initializer(model_cfg: ModelConfig, mesh: Mesh) -> Callable:
     """Jitted sharded parameter init, one per (model, mesh): its compile is the slow part."""
     init = functools.partial(_init_params, model_cfg)
     abstract = jax.eval_shape(init, jax.random.key(0))
-    return jax.jit(init, out_shardings=_tree_shardings(abstract, mesh))
+    return jax.jit(init, out_shardings=tree_shardings(abstract, mesh))
 
 
 def train_state_shardings(cfg: TrainConfig, mesh: Mesh) -> TrainState:
     """NamedSharding of every TrainState leaf (for jit and checkpoint restore).
 
-    Parameters and optimizer state follow `param_spec`; the small bookkeeping arrays
+    Parameters and optimizer state follow `sharding.param_spec`; the small bookkeeping arrays
     (step, dead-neuron counters, sparse switch) are replicated.
     """
     abstract = _abstract_state(cfg)
     replicated = NamedSharding(mesh, P())
     return dataclasses.replace(
         jax.tree.map(lambda _: replicated, abstract),
-        params=_tree_shardings(abstract.params, mesh),
-        opt_state=_tree_shardings(abstract.opt_state, mesh),
+        params=tree_shardings(abstract.params, mesh),
+        opt_state=tree_shardings(abstract.opt_state, mesh),
     )
 
 
@@ -212,7 +159,7 @@ def create_train_state(cfg: TrainConfig, mesh: Mesh, rng: jax.Array | None = Non
 
     Args:
       cfg: the run config.
-      mesh: from `make_mesh`.
+      mesh: from `sharding.make_mesh`.
       rng: parameter-init key; defaults to `jax.random.key(cfg.seed)`.
     """
     rng = jax.random.key(cfg.seed) if rng is None else rng
@@ -228,9 +175,9 @@ def train_state_from_params(
 
     Args:
       cfg: the run config; `params` must have `Transformer(cfg.model)`'s tree.
-      mesh: from `make_mesh`.
+      mesh: from `sharding.make_mesh`.
       params: pure-dict parameters of any float dtype; cast to fp32 (the master copy)
-        and laid out by `param_spec`.
+        and laid out by `sharding.param_spec`.
       donate: let the state reuse `params`' buffers (they are invalid afterwards).
 
     Raises:
@@ -277,25 +224,6 @@ def _microbatches(x: jax.Array, n: int) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, P(None, BATCH_AXES))
 
 
-def _with_mesh(fn: Callable, mesh: Mesh) -> Callable:
-    """Calls the jitted `fn` with `mesh` set, so the model's sharding constraints see it.
-
-    The wrapper's `.lower(*args)` lowers `fn` under the mesh too (for
-    `.compile().memory_analysis()`, say).
-    """
-
-    def wrapped(*args):
-        with jax.set_mesh(mesh):
-            return fn(*args)
-
-    def lower(*args):
-        with jax.set_mesh(mesh):
-            return fn.lower(*args)
-
-    wrapped.lower = lower
-    return wrapped
-
-
 def make_train_step(
     cfg: TrainConfig, mesh: Mesh
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
@@ -308,7 +236,7 @@ def make_train_step(
 
     Args:
       cfg: the run config.
-      mesh: from `make_mesh`.
+      mesh: from `sharding.make_mesh`.
 
     Returns:
       `step(state, batch) -> (state, metrics)`, batch {"inputs", "targets"} int32 [B, S]
@@ -414,7 +342,7 @@ def make_train_step(
         out_shardings=(state_shardings, NamedSharding(mesh, P())),
         donate_argnums=0,
     )
-    return _with_mesh(jitted, mesh)
+    return with_mesh(jitted, mesh)
 
 
 def make_eval_step(cfg: TrainConfig, mesh: Mesh) -> Callable[[Params, Batch], jax.Array]:
@@ -437,7 +365,7 @@ def make_eval_step(cfg: TrainConfig, mesh: Mesh) -> Callable[[Params, Batch], ja
         in_shardings=(train_state_shardings(cfg, mesh).params, batch_sharding(mesh)),
         out_shardings=NamedSharding(mesh, P()),
     )
-    return _with_mesh(jitted, mesh)
+    return with_mesh(jitted, mesh)
 
 
 def host_metrics(metrics: dict[str, jax.Array]) -> dict[str, float | np.ndarray]:

@@ -1,4 +1,4 @@
-"""Model shapes, FFN implementations and config validation (twell_jax.model / .config)."""
+"""Model shapes, FFN implementations, the sparse switch and remat (twell_jax.model)."""
 
 import dataclasses
 import functools
@@ -135,7 +135,7 @@ def test_sparse_ell_width_reaches_the_op(monkeypatch):
         body = lambda p, t, g=train.model_graphdef(cfg): nnx.merge(g, p).body(t)
         jax.eval_shape(body, init_params(cfg), tokens(cfg))
     assert [c.ell_width for c in _STAND_IN_CONFIGS] == [128, 16]
-    with pytest.raises(ValueError, match="sparse_ell_width=48: must be a power of two >= 4"):
+    with pytest.raises(ValueError, match="sparse_ell_width=48: ell_width must be a power of two"):
         small_model(sparse_ell_width=48)
 
 
@@ -178,88 +178,3 @@ def test_remat_wraps_each_layer():
     # "remat2" is jax.checkpoint's primitive.
     assert "remat2" in jaxpr(True)
     assert "remat2" not in jaxpr(False)
-
-
-@pytest.mark.parametrize(
-    ("overrides", "field"),
-    [
-        (dict(d_model=100, n_heads=3), "d_model"),
-        (dict(d_ff=500, ffn_impl="twell"), "d_ff"),
-        (dict(d_ff=500, ffn_impl="sparse"), "d_ff"),
-        (dict(ffn_variant="gated_silu", ffn_impl="twell"), "ffn_impl"),
-        (dict(ffn_variant="relu", ffn_impl="sparse"), "ffn_impl"),
-        (dict(ffn_impl="twell", dtype="float32"), "dtype"),
-        (dict(ffn_variant="swiglu"), "ffn_variant"),
-        (dict(ffn_impl="cuda"), "ffn_impl"),
-        (dict(twell_compression=16), "twell_compression"),
-        (dict(n_layers=0), "n_layers"),
-        (dict(d_model=96, n_heads=32), "n_heads"),  # head_dim 3: odd, no RoPE pairs
-    ],
-)
-def test_model_config_validation(overrides, field):
-    with pytest.raises(ValueError, match=rf"ModelConfig\.{field}="):
-        C.ModelConfig(**overrides)
-
-
-def test_dense_allows_any_d_ff():
-    assert C.ModelConfig(d_ff=500).d_ff == 500
-
-
-def test_train_config_validation():
-    with pytest.raises(ValueError, match=r"TrainConfig\.batch_size="):
-        C.TrainConfig(batch_size=6, optim=C.OptimConfig(grad_accum_steps=4))
-    with pytest.raises(ValueError, match=r"OptimConfig\.warmup_steps="):
-        C.OptimConfig(warmup_steps=10, total_steps=10)
-    with pytest.raises(ValueError, match=r"SparsityConfig\.l1_target="):
-        C.SparsityConfig(l1_target="gradients")
-    with pytest.raises(ValueError, match=r"TrainConfig\.mesh_shape="):
-        C.TrainConfig(mesh_shape=(-1, -1))
-
-
-@pytest.mark.parametrize(
-    ("name", "params"), [("0.5b", 0.512e9), ("1b", 1.026e9), ("1.5b", 1.539e9), ("2b", 2.053e9)]
-)
-def test_paper_presets_parameter_counts(name, params):
-    """Parameter counts of training spec §4 (derived there from the paper configs)."""
-    cfg = C.model_preset(name)
-    shapes = nnx.state(nnx.eval_shape(lambda: M.Transformer(cfg, rngs=nnx.Rngs(0))))
-    count = sum(np.prod(x.shape) for x in jax.tree.leaves(shapes))
-    assert abs(count - params) / params < 1e-3
-
-
-def test_presets_are_valid():
-    for name in ("tiny", "125m", "0.5b", "1b", "1.5b", "2b"):
-        cfg = C.train_preset(name)
-        assert cfg.model.d_ff % C.TILE == 0
-    with pytest.raises(ValueError, match="preset"):
-        C.model_preset("7b")
-
-
-def test_dict_round_trip_and_diff():
-    cfg = C.train_preset("tiny")
-    d = C.config_to_dict(cfg)
-    assert d["optim"]["betas"] == [0.9, 0.95]
-    assert C.train_config_from_dict(d) == cfg
-    other = C.with_overrides(
-        cfg,
-        {
-            "model.d_ff": "1024",
-            "optim.betas": "0.9,0.99",
-            "sparsity.tokens_until_dead": "4096",
-            "model.remat": "true",
-        },
-    )
-    assert other.model.d_ff == 1024 and other.optim.betas == (0.9, 0.99)
-    assert other.sparsity.tokens_until_dead == 4096 and other.model.remat is True
-    assert C.config_diff(cfg, other) == [
-        "model.d_ff: 512 != 1024",
-        "model.remat: False != True",
-        "optim.betas: [0.9, 0.95] != [0.9, 0.99]",
-        "sparsity.tokens_until_dead: None != 4096",
-    ]
-    with pytest.raises(ValueError, match=r"model\.n_experts"):
-        C.train_config_from_dict({"model": {"n_experts": 8}})
-    with pytest.raises(ValueError, match="n_experts"):
-        C.with_overrides(cfg, {"model.n_experts": 8})
-    with pytest.raises(ValueError, match=r"ModelConfig\.d_ff="):
-        C.with_overrides(cfg, {"model.ffn_impl": "twell", "model.d_ff": 300})

@@ -1,4 +1,5 @@
-"""End-to-end `python -m experiments.pretrain` runs, resume, and the metrics helpers.
+"""End-to-end `python -m experiments.pretrain` runs, resume, flagfiles, and the tools
+that read a run (benchmark_model, quality_report).
 
 Each CLI run is a subprocess on a tiny model (d_model 64, 2 layers, seq 32, batch 4)
 over a small synthetic corpus. The subprocesses share a persistent compilation cache,
@@ -16,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from twell_jax import data, metrics, tokenizer
+from twell_jax import corpus, metrics, tokenizer
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # A resumed run restores the exact state, and XLA on CPU is deterministic, so only
 # reassociation noise (none expected) may separate the two runs.
 RESUME_CE_RTOL = 1e-4
@@ -58,9 +59,11 @@ def data_dir(tmp_path_factory) -> Path:
         "rarely",
         "fire",
     ]
-    docs = [data.Document(f"doc{i}.txt", " ".join(rng.choice(words, size=120))) for i in range(120)]
+    docs = [
+        corpus.Document(f"doc{i}.txt", " ".join(rng.choice(words, size=120))) for i in range(120)
+    ]
     out = tmp_path_factory.mktemp("corpus")
-    meta = data.prepare_corpus(
+    meta = corpus.prepare_corpus(
         docs, out, tokenizer.load_tokenizer("byte"), source="synthetic", val_fraction=0.2
     )
     assert meta["splits"]["val"]["num_tokens"] > 2 * 4 * 33  # two val batches
@@ -136,6 +139,7 @@ def straight(tmp_path_factory, data_dir, cache_dir) -> tuple[Path, str]:
     return workdir, run_cli(workdir, data_dir, cache_dir, "--steps=6")
 
 
+@pytest.mark.slow
 def test_run_writes_outputs(straight):
     workdir, out = straight
     assert "resolved config" in out
@@ -159,6 +163,7 @@ def test_run_writes_outputs(straight):
     assert checkpoint_steps(workdir) == [3, 6]
 
 
+@pytest.mark.slow
 def test_more_steps_resume(tmp_path, straight, data_dir, cache_dir):
     workdir = tmp_path / "run"
     shutil.copytree(straight[0], workdir)
@@ -177,6 +182,7 @@ def test_more_steps_resume(tmp_path, straight, data_dir, cache_dir):
     assert proc.returncode != 0 and "optim.lr" in proc.stderr
 
 
+@pytest.mark.slow
 def test_resume_matches_straight_run(tmp_path, straight, data_dir, cache_dir):
     split = tmp_path / "split"
     run_cli(split, data_dir, cache_dir, "--steps=6", "--stop_at=3")
@@ -189,6 +195,7 @@ def test_resume_matches_straight_run(tmp_path, straight, data_dir, cache_dir):
     np.testing.assert_allclose(val_ce(split)[6], val_ce(straight[0])[6], rtol=RESUME_CE_RTOL)
 
 
+@pytest.mark.slow
 def test_sigint_saves_and_exits(tmp_path, data_dir, cache_dir):
     workdir = tmp_path / "run"
     proc = subprocess.Popen(
@@ -237,46 +244,7 @@ def test_flagfile_resolves(name, monkeypatch):
         assert cfg.sparsity.l1_coef == 0 and cfg.optim.total_steps == 1000
 
 
-def test_reduce_interval_and_writer_truncation(tmp_path):
-    steps = [
-        {
-            "ce": 2.0,
-            "lr": 1e-3,
-            "l0": np.array([10.0, 20.0]),
-            "sparsity": np.array([0.9, 0.8]),
-            "alive": np.array([1.0, 1.0]),
-            "tail_rows": np.array([1, 0]),
-        },
-        {
-            "ce": 4.0,
-            "lr": 2e-3,
-            "l0": np.array([30.0, 40.0]),
-            "sparsity": np.array([0.7, 0.6]),
-            "alive": np.array([0.5, 1.0]),
-            "tail_rows": np.array([2, 3]),
-        },
-    ]
-    record = metrics.reduce_interval(steps, step=2, tokens_per_s=100.0)
-    assert record["ce"] == 3.0 and record["lr"] == 2e-3  # mean; last value
-    assert record["l0"] == [20.0, 30.0] and record["l0_mean"] == 25.0
-    assert record["alive"] == [0.5, 1.0] and record["tail_rows"] == [3, 3]  # last; sum
-    json.dumps(record)
-
-    with metrics.MetricsWriter(tmp_path) as w:
-        for s in (1, 2, 3):
-            w.write({"step": s, "kind": "train", "ce": 1.0})
-    with (tmp_path / metrics.METRICS_FILE).open("a") as f:
-        f.write('{"step": 4, "kind": "tr')  # a crash mid-line
-    # Resuming from step 2 drops what a crashed run logged after its checkpoint.
-    with metrics.MetricsWriter(tmp_path, resume_step=2) as w:
-        w.write({"step": 3, "kind": "eval", "val_ce": 1.5})
-    assert [(r["step"], r["kind"]) for r in metrics.read_metrics(w.path)] == [
-        (1, "train"),
-        (2, "train"),
-        (3, "eval"),
-    ]
-
-
+@pytest.mark.slow
 def test_trained_checkpoint_feeds_the_model_benchmark(straight, data_dir):
     """benchmark_model restores a pretrain workdir and times its body on val tokens."""
     import jax
@@ -298,6 +266,7 @@ def test_trained_checkpoint_feeds_the_model_benchmark(straight, data_dir):
         benchmark_model.trained_params(str(workdir / "checkpoints"))
 
 
+@pytest.mark.slow
 def test_quality_report_table_and_plot(tmp_path, straight):
     from experiments import quality_report
 

@@ -1,9 +1,9 @@
-"""The pre-training loop behind `experiments/pretrain.py`: resume, train, eval, checkpoint.
+"""The pre-training loop: resume, train, eval, checkpoint (`experiments/pretrain.py` runs it).
 
 `run(cfg, opts)` does everything after the config is resolved:
 
-1. reads the prepared corpus (`twell_jax.data`), builds the mesh, the train state and
-   the data iterator;
+1. reads the prepared corpus (`twell_jax.corpus`, `twell_jax.input_pipeline`), builds the
+   mesh, the train state and the data iterator;
 2. restores the newest checkpoint of `<workdir>/checkpoints` if there is one (train
    state, data-iterator position; a different saved config is a `ValueError`);
 3. trains to `cfg.optim.total_steps` (or `opts.stop_at`), logging a progress line and
@@ -32,7 +32,7 @@ import numpy as np
 from absl import logging
 from jax.experimental import multihost_utils
 
-from twell_jax import checkpoint, data, metrics, train
+from twell_jax import checkpoint, corpus, input_pipeline, metrics, sharding, train
 from twell_jax.config import TrainConfig, config_to_dict
 
 CHECKPOINT_DIR = "checkpoints"
@@ -49,11 +49,11 @@ class RunOptions:
 
     Attributes:
       workdir: run directory: checkpoints/, metrics.jsonl, metrics.png, config.json.
-      data_dir: a corpus prepared by `twell_jax.data` (meta.json + shards).
+      data_dir: a corpus prepared by `twell_jax.corpus` (meta.json + shards).
       max_to_keep: newest checkpoints kept; None keeps all.
       resume: continue from the newest checkpoint in `workdir` if there is one.
       stop_at: if > 0, save and return after this step even though the schedule runs to
-        `total_steps` (time-sliced jobs; the resume tests).
+        `total_steps` (time-sliced jobs).
       plot_title: title of metrics.png.
     """
 
@@ -110,10 +110,10 @@ class _StopRequest:
         return bool(np.any(multihost_utils.process_allgather(np.asarray(self.requested))))
 
 
-def _global_batch(local: dict[str, np.ndarray], sharding, global_rows: int) -> dict:
-    """This process's [B_p, S] numpy rows -> global [B, S] jax.Arrays on `sharding`."""
+def _global_batch(local: dict[str, np.ndarray], placement, global_rows: int) -> dict:
+    """This process's [B_p, S] numpy rows -> global [B, S] jax.Arrays on `placement`."""
     return {
-        k: jax.make_array_from_process_local_data(sharding, v, (global_rows, *v.shape[1:]))
+        k: jax.make_array_from_process_local_data(placement, v, (global_rows, *v.shape[1:]))
         for k, v in local.items()
     }
 
@@ -130,11 +130,11 @@ def _check_vocab(cfg: TrainConfig, meta: dict[str, Any], data_dir: str) -> None:
 class _Evaluator:
     """Mean validation CE over the first `eval_batches` val batches (the same ones each time)."""
 
-    def __init__(self, cfg: TrainConfig, data_cfg: data.DataConfig, mesh, sharding):
-        self._cfg, self._data_cfg, self._sharding = cfg, data_cfg, sharding
+    def __init__(self, cfg: TrainConfig, data_cfg: input_pipeline.DataConfig, mesh, placement):
+        self._cfg, self._data_cfg, self._placement = cfg, data_cfg, placement
         self._step = train.make_eval_step(cfg, mesh)
         try:
-            next(data.make_val_iterator(data_cfg, 1))
+            next(input_pipeline.make_val_iterator(data_cfg, 1))
             self.enabled = True
         except ValueError as e:  # e.g. a small corpus without one full val batch
             logging.warning("validation disabled: %s", e)
@@ -142,8 +142,8 @@ class _Evaluator:
 
     def __call__(self, params) -> float:
         ces = [
-            self._step(params, _global_batch(b, self._sharding, self._cfg.batch_size))
-            for b in data.make_val_iterator(self._data_cfg, self._cfg.eval_batches)
+            self._step(params, _global_batch(b, self._placement, self._cfg.batch_size))
+            for b in input_pipeline.make_val_iterator(self._data_cfg, self._cfg.eval_batches)
         ]
         return float(np.mean(jax.device_get(ces)))
 
@@ -204,15 +204,15 @@ class _Trainer:
         self.cfg, self.opts = cfg, opts
         self.workdir = Path(opts.workdir)
         self.lead = jax.process_index() == 0
-        meta = data.load_meta(opts.data_dir)
+        meta = corpus.load_meta(opts.data_dir)
         _check_vocab(cfg, meta, opts.data_dir)
-        logging.info("data %s: %s", opts.data_dir, data.summary(meta))
+        logging.info("data %s: %s", opts.data_dir, corpus.summary(meta))
         if self.lead:
             self.workdir.mkdir(parents=True, exist_ok=True)
             config_json = json.dumps(config_to_dict(cfg), indent=2) + "\n"
             (self.workdir / CONFIG_FILE).write_text(config_json)
 
-        mesh = train.make_mesh(*cfg.mesh_shape)
+        mesh = sharding.make_mesh(*cfg.mesh_shape)
         logging.info(
             "mesh %s over %d %s device(s), %d process(es)",
             dict(mesh.shape),
@@ -220,11 +220,11 @@ class _Trainer:
             jax.default_backend(),
             jax.process_count(),
         )
-        self.sharding = train.batch_sharding(mesh)
-        data_cfg = data.DataConfig(
+        self.placement = sharding.batch_sharding(mesh)
+        data_cfg = input_pipeline.DataConfig(
             opts.data_dir, seq_len=cfg.model.seq_len, batch_size=cfg.batch_size, seed=cfg.seed
         )
-        self.train_iter = data.make_train_iterator(data_cfg)
+        self.train_iter = input_pipeline.make_train_iterator(data_cfg)
         self.ckpt = checkpoint.Checkpointer(
             self.workdir / CHECKPOINT_DIR, max_to_keep=opts.max_to_keep
         )
@@ -240,7 +240,7 @@ class _Trainer:
         if self.lead:
             self.writer = metrics.MetricsWriter(self.workdir, resume_step=self.step)
         self.train_step = train.make_train_step(cfg, mesh)
-        self.evaluate = _Evaluator(cfg, data_cfg, mesh, self.sharding)
+        self.evaluate = _Evaluator(cfg, data_cfg, mesh, self.placement)
         self.summary: dict[str, Any] = {"step": self.step, "interrupted": False}
 
     def train(self, stop: _StopRequest) -> dict[str, Any]:
@@ -249,7 +249,7 @@ class _Trainer:
         pending: list[dict[str, jax.Array]] = []
         interval_start, interval_steps, compiled = time.perf_counter(), 0, False
         while self.step < total:
-            batch = _global_batch(next(self.train_iter), self.sharding, cfg.batch_size)
+            batch = _global_batch(next(self.train_iter), self.placement, cfg.batch_size)
             self.state, step_metrics = self.train_step(self.state, batch)
             self.step += 1
             pending.append(step_metrics)

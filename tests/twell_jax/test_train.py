@@ -1,4 +1,4 @@
-"""Train step: sharding rules, gradient accumulation, multi-device equivalence, learning."""
+"""Train step: gradient accumulation, multi-device equivalence, learning, state creation."""
 
 import functools
 import json
@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +15,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from twell_jax import config as C
-from twell_jax import train
+from twell_jax import sharding, train
 
 # fp32 compute for the equivalence tests: Adam's first step moves every parameter by
 # about +-lr whatever the gradient's size, so bf16 noise would flip the sign of tiny
@@ -78,18 +79,6 @@ def update_rel_diff(before, after_a, after_b) -> float:
     return (diff / norm) ** 0.5
 
 
-def test_param_spec_rule():
-    key = jax.tree_util.DictKey
-    assert train.param_spec((key("embed"),), (512, 128), 4) == P("fsdp", None)
-    assert train.param_spec((key("embed"),), (510, 128), 4) == P(None, "fsdp")
-    assert train.param_spec((key("embed"),), (510, 127), 4) == P()
-    assert train.param_spec((key("embed"),), (512, 128), 1) == P()
-    # Stacked layer axis first: never split, even when it is the largest.
-    stacked = (key("blocks"), key("ffn"), key("w_up"))
-    assert train.param_spec(stacked, (1024, 256, 64), 4) == P(None, "fsdp", None)
-    assert train.param_spec((key("step"),), (), 4) == P()
-
-
 def test_weight_decay_skips_norms():
     params = {
         "embed": 0,
@@ -113,7 +102,7 @@ def test_lr_schedule():
 
 def test_grad_accumulation_matches_full_batch():
     cfg = small_config()
-    mesh = train.make_mesh()
+    mesh = sharding.make_mesh()
     batch = random_batch(cfg)
     before, full, m_full = one_step(cfg, mesh, batch)
     _, accum, m_accum = one_step(small_config(grad_accum_steps=2), mesh, batch)
@@ -134,14 +123,14 @@ _SHARDED = textwrap.dedent("""
     from flax import nnx
 
     import pallas_kernels
-    from tests.test_train import small_config, random_batch, one_step
+    from tests.twell_jax.test_train import small_config, random_batch, one_step
     from twell_jax import model as M
-    from twell_jax import train
+    from twell_jax import sharding, train
 
     assert jax.device_count() == 8
     cfg = small_config(grad_accum_steps=2)
     batch = random_batch(cfg)
-    mesh8 = train.make_mesh(2, 4)
+    mesh8 = sharding.make_mesh(2, 4)
     before8, after8, m8 = one_step(cfg, mesh8, batch)
     np.savez(sys.argv[1], *jax.tree.leaves(before8), *jax.tree.leaves(after8))
     params = train.create_train_state(cfg, mesh8).params
@@ -181,13 +170,14 @@ _SHARDED = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_sharded_step_matches_single_device(tmp_path):
     """On 8 simulated CPUs, mesh (data=2, fsdp=4): the train step equals the 1-device
     step, and the per-shard kernel FFN path equals the dense one."""
     env = dict(
         os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu"
     )
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = Path(__file__).resolve().parents[2]
     params_file = tmp_path / "params8.npz"
     proc = subprocess.run(
         [sys.executable, "-c", _SHARDED, str(params_file)],
@@ -203,7 +193,9 @@ def test_sharded_step_matches_single_device(tmp_path):
 
     # The 1-device reference runs here (its compile is shared with the accumulation test).
     cfg = small_config(grad_accum_steps=2)
-    before1, after1, m1 = one_step(cfg, train.make_mesh(1, 1, jax.devices()[:1]), random_batch(cfg))
+    before1, after1, m1 = one_step(
+        cfg, sharding.make_mesh(1, 1, jax.devices()[:1]), random_batch(cfg)
+    )
     with np.load(params_file) as f:
         leaves8 = [f[f"arr_{i}"] for i in range(len(f.files))]
     n = len(jax.tree.leaves(before1))
@@ -224,7 +216,7 @@ def test_sharded_step_matches_single_device(tmp_path):
 def test_loss_decreases_and_metrics():
     """20 steps on one batch must learn something; metrics are consistent."""
     cfg = small_config()
-    mesh = train.make_mesh()
+    mesh = sharding.make_mesh()
     state = train.create_train_state(cfg, mesh)
     step = cached_step(cfg, mesh)  # shared with the grad-accumulation test
     batch = random_batch(cfg)
@@ -250,7 +242,7 @@ def test_loss_decreases_and_metrics():
 def test_twell_cannot_train():
     cfg = C.with_overrides(small_config(), {"model.ffn_impl": "twell", "model.dtype": "bfloat16"})
     with pytest.raises(ValueError, match="inference-only"):
-        train.make_train_step(cfg, train.make_mesh())
+        train.make_train_step(cfg, sharding.make_mesh())
 
 
 def test_micro_batch_must_split_over_devices():
@@ -263,17 +255,9 @@ def test_micro_batch_must_split_over_devices():
         train.make_train_step(cfg, mesh)
 
 
-def test_make_mesh_sizes():
-    n = jax.device_count()
-    assert train.make_mesh().shape == {"data": n, "fsdp": 1}
-    assert train.make_mesh(1, -1).shape == {"data": 1, "fsdp": n}
-    with pytest.raises(ValueError, match="does not fit"):
-        train.make_mesh(n + 1, 1)
-
-
 def test_abstract_state_matches_created():
     cfg = small_config()
-    mesh = train.make_mesh()
+    mesh = sharding.make_mesh()
     abstract = train.abstract_train_state(cfg, mesh)
     state = train.create_train_state(cfg, mesh)
     for a, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(state), strict=True):
@@ -284,7 +268,7 @@ def test_abstract_state_matches_created():
 
 def test_state_from_given_params_is_a_fresh_fp32_state():
     cfg = small_config()
-    mesh = train.make_mesh()
+    mesh = sharding.make_mesh()
     made = train.create_train_state(cfg, mesh)
     bf16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), made.params)
     state = train.train_state_from_params(cfg, mesh, bf16)
@@ -298,7 +282,7 @@ def test_state_from_given_params_is_a_fresh_fp32_state():
 
 def test_state_from_params_names_a_wrong_parameter():
     cfg = small_config()
-    mesh = train.make_mesh()
+    mesh = sharding.make_mesh()
     params = jax.device_get(train.create_train_state(cfg, mesh).params)
     params["blocks"]["ffn"]["w_up"] = params["blocks"]["ffn"]["w_up"][:, :128]
     with pytest.raises(ValueError, match=r"\['w_up'\]: shape \(2, 128, 64\), the model expects"):

@@ -1,0 +1,98 @@
+"""The benchmarks' timers: rotation order, per-function stats, round ratios.
+
+The timed functions advance a fake clock instead of sleeping, so the times are exact.
+"""
+
+import pytest
+
+from experiments import bench_util as bu
+
+
+class FakeClock:
+    """`time.perf_counter` stand-in that moves only when `advance` is called."""
+
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_time_interleaved_rotates_and_reports_round_ratios():
+    clock, calls = FakeClock(), []
+
+    def sleeper(name, seconds):
+        def fn(x):
+            calls.append(name)
+            clock.advance(seconds)
+            return x
+
+        return fn
+
+    fns = {"slow": sleeper("slow", 0.004), "fast": sleeper("fast", 0.001)}
+    out = bu.time_interleaved(fns, 1, warmup=1, reps=4, clock=clock)
+    # one warm-up round, then 4 rounds in rotation, every other one reversed
+    assert calls == ["slow", "fast"] + ["slow", "fast", "fast", "slow"] * 2
+    assert out["slow"]["reps"] == 4 and len(out["fast"]["times_ms"]) == 4
+    assert out["slow"]["median_ms"] == pytest.approx(4.0)
+    assert out["fast"]["times_ms"] == pytest.approx([1.0] * 4)
+    assert set(out["ratios"]) == {"slow/fast"}
+    assert out["ratios"]["slow/fast"] == pytest.approx(4.0)
+
+
+def test_time_interleaved_inner_calls_back_to_back():
+    clock, calls = FakeClock(), []
+
+    def fn(name):
+        def call(x):
+            calls.append(name)
+            clock.advance(0.002)
+            return x
+
+        return call
+
+    out = bu.time_interleaved(
+        {"a": fn("a"), "b": fn("b")}, 1, warmup=1, reps=2, inner=3, clock=clock
+    )
+    assert calls == ["a", "b"] + ["a"] * 3 + ["b"] * 6 + ["a"] * 3  # warm-up calls each once
+    assert out["a"]["reps"] == 2
+    assert out["a"]["median_ms"] == pytest.approx(2.0)  # per call, not per batch of 3
+
+
+def test_time_steps_interleaved_carries_each_state_chain():
+    clock, calls = FakeClock(), []
+
+    def stepper(name, seconds):
+        def step(state, inc):
+            calls.append(name)
+            clock.advance(seconds)
+            return state + inc, {"seen": state}
+
+        return step
+
+    steps = {"slow": stepper("slow", 0.004), "fast": stepper("fast", 0.001)}
+    timing, states, auxes = bu.time_steps_interleaved(
+        steps, {"slow": 0, "fast": 100}, 1, warmup=1, reps=4, clock=clock
+    )
+    assert calls == ["slow", "fast"] + ["slow", "fast", "fast", "slow"] * 2
+    assert states == {"slow": 5, "fast": 105}  # 1 warm-up + 4 timed calls, one chain each
+    assert [a["seen"] for a in auxes["fast"]] == [100, 101, 102, 103, 104]
+    assert timing["slow"]["reps"] == 4 and set(timing["ratios"]) == {"slow/fast"}
+    assert timing["ratios"]["slow/fast"] == pytest.approx(4.0)
+
+
+def test_time_fn_reports_per_call_time_of_inner_batches():
+    clock, calls = FakeClock(), []
+
+    def fn(x):
+        calls.append(x)
+        clock.advance(0.002)
+        return x
+
+    out = bu.time_fn(fn, 0, warmup=2, reps=3, inner=4, clock=clock)
+    assert len(calls) == 2 + 3 * 4 and out["reps"] == 3
+    assert out["median_ms"] == pytest.approx(2.0)  # per call, not per batch of 4
+    assert out["p10_ms"] == pytest.approx(2.0) and out["p90_ms"] == pytest.approx(2.0)

@@ -1,0 +1,28 @@
+"""Fixtures of the corpus and input-pipeline tests: a small text corpus, prepared."""
+
+import pytest
+
+from tests.corpora import write_text_corpus
+from twell_jax import corpus, tokenizer
+
+
+@pytest.fixture
+def text_corpus(tmp_path):
+    """A directory of 12 .txt files and a .jsonl of 12 records (24 documents)."""
+    return write_text_corpus(tmp_path)
+
+
+@pytest.fixture
+def prepared(tmp_path, text_corpus):
+    """The corpus prepared with the byte tokenizer in small shards."""
+    paths, texts = text_corpus
+    out = tmp_path / "prepared"
+    meta = corpus.prepare_corpus(
+        corpus.file_documents(paths),
+        out,
+        tokenizer.ByteTokenizer(),
+        source="test",
+        val_fraction=0.25,
+        shard_tokens=1000,
+    )
+    return out, meta, texts

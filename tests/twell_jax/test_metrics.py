@@ -1,0 +1,47 @@
+"""Metrics records: interval reduction and the jsonl writer's truncation on resume."""
+
+import json
+
+import numpy as np
+
+from twell_jax import metrics
+
+
+def test_reduce_interval_and_writer_truncation(tmp_path):
+    steps = [
+        {
+            "ce": 2.0,
+            "lr": 1e-3,
+            "l0": np.array([10.0, 20.0]),
+            "sparsity": np.array([0.9, 0.8]),
+            "alive": np.array([1.0, 1.0]),
+            "tail_rows": np.array([1, 0]),
+        },
+        {
+            "ce": 4.0,
+            "lr": 2e-3,
+            "l0": np.array([30.0, 40.0]),
+            "sparsity": np.array([0.7, 0.6]),
+            "alive": np.array([0.5, 1.0]),
+            "tail_rows": np.array([2, 3]),
+        },
+    ]
+    record = metrics.reduce_interval(steps, step=2, tokens_per_s=100.0)
+    assert record["ce"] == 3.0 and record["lr"] == 2e-3  # mean; last value
+    assert record["l0"] == [20.0, 30.0] and record["l0_mean"] == 25.0
+    assert record["alive"] == [0.5, 1.0] and record["tail_rows"] == [3, 3]  # last; sum
+    json.dumps(record)
+
+    with metrics.MetricsWriter(tmp_path) as w:
+        for s in (1, 2, 3):
+            w.write({"step": s, "kind": "train", "ce": 1.0})
+    with (tmp_path / metrics.METRICS_FILE).open("a") as f:
+        f.write('{"step": 4, "kind": "tr')  # a crash mid-line
+    # Resuming from step 2 drops what a crashed run logged after its checkpoint.
+    with metrics.MetricsWriter(tmp_path, resume_step=2) as w:
+        w.write({"step": 3, "kind": "eval", "val_ce": 1.5})
+    assert [(r["step"], r["kind"]) for r in metrics.read_metrics(w.path)] == [
+        (1, "train"),
+        (2, "train"),
+        (3, "eval"),
+    ]
