@@ -32,11 +32,14 @@ from absl import app, flags, logging
 
 from experiments import bench_util as bu
 from experiments import benchmark_train
-from pallas_kernels import baselines, ops, reference, twell_pack
-from pallas_kernels import t2d as t2d_mod
-from pallas_kernels import twell_format as fmt
+from pallas_kernels import baselines, reference
 from pallas_kernels._gather import RowLaunch
 from pallas_kernels.sparse_train import SparseTrainConfig
+from pallas_kernels.twell import format as fmt
+from pallas_kernels.twell import op as twell_op
+from pallas_kernels.twell import pack as pack_mod
+from pallas_kernels.twell import t2d as t2d_mod
+from pallas_kernels.twell.config import PackConfig, T2DConfig
 from twell_jax.config import with_overrides
 
 FLAGS = flags.FLAGS
@@ -133,14 +136,16 @@ def kernel_case(
     dense_mlp = jax.jit(reference.mlp)
     gate_gemm = jax.jit(reference.hidden)
     d2t = jax.jit(lambda x, w: baselines.d2t(x, w, compression=c))
-    d2t_two_pass = jax.jit(lambda x, w: twell_pack.gate_then_pack(x, w, compression=c))
-    pack = jax.jit(lambda g: twell_pack.pack_tiles(g, compression=c))
+    d2t_two_pass = jax.jit(lambda x, w: pack_mod.gate_then_pack(x, w, compression=c))
+    pack = jax.jit(lambda g: pack_mod.pack_tiles(g, compression=c))
     gated_t2d = jax.jit(lambda x, p, a, b, d: t2d_mod.t2d(x, p, (a, b, d), compression=c))
     t2d = jax.jit(lambda x, p, b, d: t2d_mod.t2d(x, p, (b, d), compression=c))
     twell_gated = jax.jit(
-        lambda *a: ops.twell_gated_mlp(*a, compression=c, impl="pallas", return_stats=True)
+        lambda *a: twell_op.twell_gated_mlp(*a, compression=c, impl="pallas", return_stats=True)
     )
-    twell = jax.jit(lambda *a: ops.twell_mlp(*a, compression=c, impl="pallas", return_stats=True))
+    twell = jax.jit(
+        lambda *a: twell_op.twell_mlp(*a, compression=c, impl="pallas", return_stats=True)
+    )
 
     # The non-gated MLP relu(x Wu^T) Wd takes the sparse weight (wg) as its Wu.
     packed_g = d2t_two_pass(x, wg)
@@ -205,7 +210,7 @@ def sweep_case(
     """Whole gated MLP only, for the density crossover."""
     x, wg, wu, wd = bu.synthetic_mlp(m, h, n, nnz)
     twell_gated = jax.jit(
-        lambda *a: ops.twell_gated_mlp(*a, compression=c, impl="pallas", return_stats=True)
+        lambda *a: twell_op.twell_gated_mlp(*a, compression=c, impl="pallas", return_stats=True)
     )
     _, stats = twell_gated(x, wg, wu, wd)
     timing = {"warmup": warmup, "reps": reps, "inner": inner}
@@ -227,13 +232,13 @@ def _ints(spec: str) -> tuple[int, ...]:
     return tuple(int(v) for v in spec.split(","))
 
 
-def _t2d_launches(spec: str) -> t2d_mod.T2DConfig:
+def _t2d_launches(spec: str) -> T2DConfig:
     """ "g,w,bh:g,w,bh" (SDDMM, SpMM) -> T2DConfig."""
     parts = spec.split(":")
     if len(parts) != 2 or any(len(_ints(p)) != 3 for p in parts):
         raise ValueError(f"--tune_t2d_cfg {spec!r}: want <g,w,bh>:<g,w,bh>")
     sddmm, spmm = (RowLaunch(*_ints(p)) for p in parts)
-    return t2d_mod.T2DConfig(sddmm=sddmm, spmm=spmm)
+    return T2DConfig(sddmm=sddmm, spmm=spmm)
 
 
 def _time_configs(kind: str, cfgs, make_fn, args, warmup: int, reps: int, inner: int) -> list[dict]:
@@ -267,11 +272,11 @@ def tune(m: int, h: int, n: int, c: int, reps: int, warmup: int, inner: int) -> 
         row["over_gemm"] = row["ms"] and row["ms"] / gemm_ms
     pack_rows = timed(
         "pack",
-        [twell_pack.PackConfig(*_ints(spec)) for spec in FLAGS.tune_pack_cfg],
-        lambda cfg: lambda g: twell_pack.pack_tiles(g, compression=c, cfg=cfg),
+        [PackConfig(*_ints(spec)) for spec in FLAGS.tune_pack_cfg],
+        lambda cfg: lambda g: pack_mod.pack_tiles(g, compression=c, cfg=cfg),
         (gate(x, wg),),
     )
-    packed = jax.jit(lambda x, w: twell_pack.gate_then_pack(x, w, compression=c))(x, wg)
+    packed = jax.jit(lambda x, w: pack_mod.gate_then_pack(x, w, compression=c))(x, wg)
     t2d_rows = timed(
         "t2d",
         [_t2d_launches(spec) for spec in FLAGS.tune_t2d_cfg],

@@ -4,15 +4,20 @@ Public API: the inference ops (TwELL) and their stage configs, the training op (
 ELL + dense tail) and its remat residual name; the kernels and formats live in their own modules.
 """
 
-from pallas_kernels.ops import TwellStats, twell_gated_mlp, twell_mlp, twell_supported
 from pallas_kernels.sparse_train import (
     RESIDUALS_NAME,
     SparseTrainConfig,
     sparse_gated_mlp_train,
     sparse_train_supported,
 )
-from pallas_kernels.t2d import T2DConfig
-from pallas_kernels.twell_pack import PackConfig
+from pallas_kernels.twell import (
+    PackConfig,
+    T2DConfig,
+    TwellStats,
+    twell_gated_mlp,
+    twell_mlp,
+    twell_supported,
+)
 
 __all__ = [
     "RESIDUALS_NAME",

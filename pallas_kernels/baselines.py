@@ -23,7 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _triton as tr
-from pallas_kernels import twell_format as fmt
+from pallas_kernels.twell import format as fmt
 
 _NT = (((1,), (1,)), ((), ()))  # contract the last dims: a [m, k] x b [n, k] -> [m, n]
 

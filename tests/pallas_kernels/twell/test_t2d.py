@@ -18,13 +18,18 @@ import numpy as np
 import pytest
 
 from pallas_kernels import reference
-from pallas_kernels import t2d as t2d_mod
-from pallas_kernels import twell_format as fmt
 from pallas_kernels._gather import RowLaunch
-from pallas_kernels.t2d import T2DConfig, t2d
-from pallas_kernels.twell_pack import gate_then_pack
-from tests.kernel_cases import INTERPRET_AND_GPU, assert_bf16_close, integer_mlp
+from pallas_kernels.twell import format as fmt
+from pallas_kernels.twell import t2d as t2d_mod
+from pallas_kernels.twell.config import T2DConfig
+from pallas_kernels.twell.pack import gate_then_pack
+from pallas_kernels.twell.t2d import t2d
 from tests.lowering import count_triton_calls
+from tests.pallas_kernels.twell.kernel_cases import (
+    INTERPRET_AND_GPU,
+    assert_bf16_close,
+    integer_mlp,
+)
 
 # ----------------------------------------------------------------------------- T2D
 

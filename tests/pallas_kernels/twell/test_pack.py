@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 
 from pallas_kernels import reference
-from pallas_kernels import twell_format as fmt
-from pallas_kernels.twell_pack import PackConfig, _positive_bits, gate_then_pack, pack_tiles
-from tests.kernel_cases import INTERPRET_AND_GPU, SMALL_PACK, integer_mlp
+from pallas_kernels.twell import format as fmt
+from pallas_kernels.twell.config import PackConfig
+from pallas_kernels.twell.pack import _positive_bits, gate_then_pack, pack_tiles
 from tests.lowering import count_triton_calls
+from tests.pallas_kernels.twell.kernel_cases import INTERPRET_AND_GPU, SMALL_PACK, integer_mlp
 
 
 def _assert_same_words(packed, expected, n, compression):

@@ -11,11 +11,16 @@ import numpy as np
 import pytest
 
 from pallas_kernels import reference
-from pallas_kernels import twell_format as fmt
 from pallas_kernels.baselines import d2t
-from pallas_kernels.twell_pack import gate_then_pack
-from tests.kernel_cases import INTERPRET_AND_GPU, SMALL_D2T, SMALL_PACK, integer_mlp
+from pallas_kernels.twell import format as fmt
+from pallas_kernels.twell.pack import gate_then_pack
 from tests.lowering import count_triton_calls
+from tests.pallas_kernels.twell.kernel_cases import (
+    INTERPRET_AND_GPU,
+    SMALL_D2T,
+    SMALL_PACK,
+    integer_mlp,
+)
 
 
 @pytest.mark.parametrize("interpret", INTERPRET_AND_GPU)

@@ -31,7 +31,6 @@ the weights (evict_last) and to drop the streamed rows first (evict_first).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -40,26 +39,12 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import _triton as tr
-from pallas_kernels import twell_format as fmt
-from pallas_kernels._gather import RowLaunch
+from pallas_kernels.twell import format as fmt
+from pallas_kernels.twell.config import T2DConfig
 
 _F32 = jnp.float32
 # L2 eviction policies: weight rows (re-read by every token) and streamed rows.
 _KEEP, _STREAM = "evict_last", "evict_first"
-
-
-@dataclasses.dataclass(frozen=True)
-class T2DConfig:
-    """Launches of the TwELL SDDMM (gated only) and SpMM kernels.
-
-    Each `RowLaunch` gives the entries gathered per step, the warps per program and
-    the H block (fitted to H); the defaults are the fastest launches measured
-    (docs/performance_notes.md, "T2D SDDMM and SpMM").
-    """
-
-    sddmm: RowLaunch = RowLaunch(group=2, num_warps=1, block_h=1024)
-    spmm: RowLaunch = RowLaunch(group=4, num_warps=1, block_h=1024)
-    num_stages: int = 1
 
 
 def t2d_supported(h: int, n: int, compression: int, cfg: T2DConfig) -> str | None:

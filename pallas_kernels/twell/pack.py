@@ -6,8 +6,9 @@ loading a few blocks ahead of the one being packed, and writes the positive entr
 into that tile's W words. Each thread holds whole 8-column groups as bf16 pairs in
 uint32 registers, finds a group's entries as the set bits of one integer (two
 elements per instruction), and the rare entries go out in one small scatter per entry
-rank. Programs are independent (one per (row blocks, tile)), so nothing serialises
-across N.
+rank. A +NaN counts as an entry (it propagates, as through the dense MLP's ReLU); a
+-0 or -NaN does not. Programs are independent (one per (row blocks, tile)), so nothing
+serialises across N.
 
 The cost over fusing the pack into the GEMM epilogue (`pallas_kernels.baselines`) is
 one bf16 write and read of [M, N]; what it buys is the XLA GEMM instead of a Pallas one
@@ -16,7 +17,6 @@ with a scatter epilogue that Triton lowers poorly (docs/performance_notes.md, "P
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -26,29 +26,8 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _triton as tr
 from pallas_kernels import reference
-from pallas_kernels import twell_format as fmt
-
-
-@dataclasses.dataclass(frozen=True)
-class PackConfig:
-    """Launch parameters of the pack kernel.
-
-    block_m rows x one 256-column tile per block; `steps` blocks one after the other
-    per program, with the loads of the next `ahead` blocks in flight while one is
-    packed (steps must be a multiple of ahead + 1: the loop is unrolled that much).
-    The tile is read as [block_m, 256 / group, group / 2] bf16 pairs (uint32; group a
-    power of two in 2..16); each thread holds whole groups, a group's entries are the
-    set bits of one int32, and round r scatters every group's r-th entry at its prefix
-    count over groups (one round per entry of the busiest group). A +NaN counts as an
-    entry (it propagates, as through the dense MLP's ReLU). The defaults are the
-    fastest launch measured (docs/performance_notes.md, "Pack").
-    """
-
-    block_m: int = 1
-    num_warps: int = 1
-    group: int = 8
-    steps: int = 16
-    ahead: int = 3
+from pallas_kernels.twell import format as fmt
+from pallas_kernels.twell.config import PackConfig
 
 
 def _load_block(h_ref, row_ok, whole_blocks: bool):
@@ -232,7 +211,7 @@ def pack_tiles(
     interpret: bool | None = None,
     with_counts: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
-    """Packs the positive entries of a dense activation as TwELL (like `twell_format.pack`).
+    """Packs the positive entries of a dense activation as TwELL (like `format.pack`).
 
     Args:
       h: [M, N] bf16 activation, or the gate pre-activation (only entries > 0 count).
@@ -246,7 +225,7 @@ def pack_tiles(
     Returns:
       uint32 [M, N / C] TwELL words; word 0 of a tile keeps the true count, also past
       capacity; words past the count are undefined. With counts: (words, int32
-      [N / 256, M] true counts, `twell_format.tile_counts` transposed).
+      [N / 256, M] true counts, `format.tile_counts` transposed).
 
     Raises:
       ValueError: h is not a 2-D bf16 array, or (M, N, C, cfg) is unsupported.

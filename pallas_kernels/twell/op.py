@@ -32,10 +32,11 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _triton as tr
-from pallas_kernels import reference
-from pallas_kernels import twell_format as fmt
-from pallas_kernels.t2d import T2DConfig, t2d
-from pallas_kernels.twell_pack import PackConfig, gate_then_pack
+from pallas_kernels.twell import format as fmt
+from pallas_kernels.twell import reference
+from pallas_kernels.twell.config import PackConfig, T2DConfig
+from pallas_kernels.twell.pack import gate_then_pack
+from pallas_kernels.twell.t2d import t2d
 
 IMPLS = ("auto", "pallas", "interpret", "xla")
 
@@ -122,30 +123,12 @@ def _sparse_forward(x, weights, opts: TwellOptions):
     return out, counts
 
 
-def _dense_forward(x, weights, opts: TwellOptions):
-    """XLA path with the same rounding and the same statistics."""
-    gate = reference.hidden(x, weights[0])
-    m, n = gate.shape
-    counts = jnp.sum((gate > 0).reshape(m, n // fmt.TILE, fmt.TILE), axis=-1, dtype=jnp.int32)
-    if opts.gated:
-        up = jnp.einsum("mh,nh->mn", x, weights[1], preferred_element_type=jnp.float32)
-        exact = opts.high_precision
-        hidden = gate.astype(jnp.float32) * up if exact else gate * up.astype(x.dtype)
-    else:
-        hidden = gate
-    out = jnp.einsum("mn,nh->mh", hidden, weights[-1], preferred_element_type=jnp.float32)
-    return out.astype(x.dtype), counts
-
-
-def _dense_reference(x, weights, opts: TwellOptions):
-    return reference.gated_mlp(x, *weights) if opts.gated else reference.mlp(x, *weights)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _twell_apply(opts: TwellOptions, x, *weights):
     use_pallas = opts.impl in ("pallas", "interpret") or (opts.impl == "auto" and tr.on_gpu())
-    forward = _sparse_forward if use_pallas else _dense_forward
-    return forward(x, weights, opts)
+    if use_pallas:
+        return _sparse_forward(x, weights, opts)
+    return reference.dense_forward(x, weights, high_precision=opts.high_precision)
 
 
 def _twell_apply_fwd(opts, x, *weights):
@@ -154,7 +137,7 @@ def _twell_apply_fwd(opts, x, *weights):
 
 def _twell_apply_bwd(opts, residuals, cotangents):
     x, weights = residuals
-    _, vjp = jax.vjp(lambda *a: _dense_reference(a[0], a[1:], opts), x, *weights)
+    _, vjp = jax.vjp(lambda *a: reference.dense_mlp(a[0], a[1:]), x, *weights)
     return vjp(cotangents[0])
 
 
@@ -162,7 +145,7 @@ _twell_apply.defvjp(_twell_apply_fwd, _twell_apply_bwd)
 
 
 def _stats(counts: jax.Array, m: int, slots: int) -> TwellStats:
-    """TwellStats of the tile counts of M rows (any layout: only sums and maxima)."""
+    """TwellStats of the tile counts of M rows, int32 [N / 256, M]."""
     m = max(m, 1)
     return TwellStats(
         nnz_per_row=jnp.sum(counts, dtype=jnp.float32) / m,
@@ -177,7 +160,7 @@ def _run(x, weights, opts: TwellOptions, return_stats: bool):
     x2d = x.reshape(-1, h)
     if x2d.shape[0] == 0:
         out = jnp.zeros_like(x)
-        counts = jnp.zeros((0, weights[0].shape[0] // fmt.TILE), jnp.int32)
+        counts = jnp.zeros((weights[0].shape[0] // fmt.TILE, 0), jnp.int32)
     else:
         out, counts = _twell_apply(opts, x2d, *weights)
         out = out.reshape(*lead, h)

@@ -11,7 +11,8 @@ width T. Each (row, tile) owns W = T / C uint32 words of the packed matrix
 - words after the count are undefined (the pack kernel zeroes those in a tile's first
   32-byte sector, to write whole sectors; nothing else zeroes them).
 
-Column order makes the format deterministic, unlike the CUDA reference's atomics.
+Column order makes the format deterministic, unlike the CUDA reference's atomics
+(docs/design.md §3).
 """
 
 from __future__ import annotations

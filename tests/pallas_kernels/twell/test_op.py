@@ -10,8 +10,8 @@ import pytest
 
 import pallas_kernels as pk
 from pallas_kernels import reference
-from tests.kernel_cases import INTERPRET_AND_GPU, SMALL_PACK, integer_mlp
 from tests.lowering import count_triton_calls
+from tests.pallas_kernels.twell.kernel_cases import INTERPRET_AND_GPU, SMALL_PACK, integer_mlp
 
 
 def _impl(interpret):

@@ -6,7 +6,7 @@ import pytest
 
 from pallas_kernels import reference
 from pallas_kernels.baselines import D2TConfig
-from pallas_kernels.twell_pack import PackConfig
+from pallas_kernels.twell.config import PackConfig
 
 INTERPRET_AND_GPU = [
     pytest.param(True, id="interpret"),

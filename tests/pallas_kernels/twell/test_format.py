@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import twell_format as fmt
+from pallas_kernels.twell import format as fmt
 
 
 def _sparse_h(rng, m, n, density):
