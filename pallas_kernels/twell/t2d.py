@@ -338,7 +338,7 @@ def t2d(
         non-gated one; each [N, H] bf16, w_down being down_proj transposed.
       compression: C in {8, 4, 2} of `packed`.
       high_precision: keep u and h in fp32 instead of rounding them to bf16.
-      cfg: launch plan.
+      cfg: the SDDMM and SpMM launches.
       interpret: run the Pallas interpreter (None: only when there is no GPU).
 
     Returns:

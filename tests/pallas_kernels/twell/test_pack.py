@@ -133,8 +133,8 @@ def test_gate_then_pack_matches_oracle(interpret, m, bias):
     """Integer inputs: the exact gate, sparse and overflowing, packed as the oracle does."""
     x, wg, _, _ = integer_mlp(0, m, 128, 512, bias)
     x = x.at[5].set(0)
-    two_pass = gate_then_pack(x, wg, compression=8, cfg=SMALL_PACK, interpret=interpret)
-    _assert_same_words(two_pass, fmt.pack(reference.hidden(x, wg), 8), 512, 8)
+    packed = gate_then_pack(x, wg, compression=8, cfg=SMALL_PACK, interpret=interpret)
+    _assert_same_words(packed, fmt.pack(reference.hidden(x, wg), 8), 512, 8)
 
 
 @pytest.mark.parametrize(
@@ -193,9 +193,9 @@ def test_gpu_production_shape():
     from experiments.bench_util import synthetic_mlp
 
     x, wg, _, _ = synthetic_mlp(4099, 2048, 5632, 30.0)
-    two_pass, counts = gate_then_pack(x, wg, with_counts=True)
+    packed, counts = gate_then_pack(x, wg, with_counts=True)
     expected = fmt.pack(reference.hidden(x, wg), 8)
-    _assert_same_words(two_pass, expected, 5632, 8)
+    _assert_same_words(packed, expected, 5632, 8)
     _assert_counts(counts, expected, 8)
 
 
