@@ -10,7 +10,6 @@ import jax
 import jax.numpy as jnp
 
 # experiments/benchmark.py reads the synthetic MLP from here; its home is twell_jax.synthetic.
-from twell_jax.synthetic import synthetic_mlp  # noqa: F401
 
 # Seconds since an arbitrary origin, like `time.perf_counter`.
 Clock = Callable[[], float]

@@ -40,7 +40,8 @@ from pallas_kernels.twell import op as twell_op
 from pallas_kernels.twell import pack as pack_mod
 from pallas_kernels.twell import t2d as t2d_mod
 from pallas_kernels.twell.config import PackConfig, T2DConfig
-from twell_jax.config import with_overrides
+from twell_jax.overrides import with_overrides
+from twell_jax.synthetic import synthetic_mlp
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum(
@@ -128,7 +129,7 @@ def kernel_case(
     m: int, nnz: float, h: int, n: int, c: int, reps: int, warmup: int, inner: int
 ) -> dict:
     """One (M, density) point: every kernel and both MLPs, sparse and dense."""
-    x, wg, wu, wd = bu.synthetic_mlp(m, h, n, nnz)
+    x, wg, wu, wd = synthetic_mlp(m, h, n, nnz)
     timed = lambda f, *a: bu.time_fn(f, *a, warmup=warmup, reps=reps, inner=inner)["median_ms"]
     single = lambda f, *a: bu.time_fn(f, *a, warmup=warmup, reps=reps)["median_ms"]
 
@@ -208,7 +209,7 @@ def sweep_case(
     m: int, nnz: float, h: int, n: int, c: int, reps: int, warmup: int, inner: int
 ) -> dict:
     """Whole gated MLP only, for the density crossover."""
-    x, wg, wu, wd = bu.synthetic_mlp(m, h, n, nnz)
+    x, wg, wu, wd = synthetic_mlp(m, h, n, nnz)
     twell_gated = jax.jit(
         lambda *a: twell_op.twell_gated_mlp(*a, compression=c, impl="pallas", return_stats=True)
     )
@@ -258,7 +259,7 @@ def _time_configs(kind: str, cfgs, make_fn, args, warmup: int, reps: int, inner:
 
 def tune(m: int, h: int, n: int, c: int, reps: int, warmup: int, inner: int) -> dict:
     """Launches of the pack kernel, the fused D2T baseline and GatedT2D at ~29 nnz per row."""
-    x, wg, wu, wd = bu.synthetic_mlp(m, h, n, 29)
+    x, wg, wu, wd = synthetic_mlp(m, h, n, 29)
     gate = jax.jit(reference.hidden)
     gemm_ms = bu.time_fn(gate, x, wg, warmup=warmup, reps=reps, inner=inner)["median_ms"]
     timed = functools.partial(_time_configs, warmup=warmup, reps=reps, inner=inner)

@@ -14,7 +14,7 @@ import warnings
 # of jit's trace context; every function traced before that (the whole train step, say)
 # then misses jit's cache on its next call and compiles a second time. Registering it
 # here, before anything is traced, keeps one compile per function
-# (tests/test_twell_ops.py).
+# (tests/pallas_kernels/twell/test_op.py).
 import jax
 import jax.experimental.pallas.fuser
 import jax.numpy as jnp
@@ -42,7 +42,7 @@ def program_id(axis: int, size: int) -> jax.Array:
     The remainder is an identity at run time, but it tells LLVM the id's range. The
     Triton lowering adds it by itself only to grid axes past CUDA's 65535 limit, and
     the T2D SDDMM compiled without it took 1.8x as long per row at M <= 32768 (96
-    registers instead of 126; results/NOTES.md, session 11).
+    registers instead of 126; docs/performance_notes.md, "T2D SDDMM and SpMM").
     """
     return lax.rem(pl.program_id(axis), jnp.int32(size))
 

@@ -43,7 +43,7 @@ def mlp(x: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
 
 
 def l1_of_hidden(h: jax.Array) -> jax.Array:
-    """Mean over tokens of sum over N of |h| (twell.md §2), fp32 scalar."""
+    """Mean over tokens of sum over N of |h| (docs/design.md §2), fp32 scalar."""
     return jnp.mean(jnp.sum(jnp.abs(h.astype(jnp.float32)), axis=-1))
 
 

@@ -20,9 +20,6 @@ import jax.numpy as jnp
 
 import pallas_kernels
 
-# experiments/benchmark.py imports `with_overrides` from here; its home is twell_jax.overrides.
-from twell_jax.overrides import with_overrides  # noqa: F401
-
 FFN_VARIANTS = ("gated_relu", "relu", "gated_silu")
 FFN_IMPLS = ("dense", "twell", "sparse")
 L1_TARGETS = ("activations", "weights")

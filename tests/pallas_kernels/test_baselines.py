@@ -106,7 +106,7 @@ def test_d2t_lowers_for_cuda(compression):
 @pytest.mark.gpu
 def test_gpu_production_shape_fused_equals_two_pass():
     """H=2048, N=5632, odd M, ~30 non-zeros per row, default configs of both forms."""
-    from experiments.bench_util import synthetic_mlp
+    from twell_jax.synthetic import synthetic_mlp
 
     x, wg, _, _ = synthetic_mlp(4099, 2048, 5632, 30.0)
     fused = d2t(x, wg)

@@ -190,7 +190,7 @@ def test_pack_steps_lower_for_cuda(steps, ahead, m):
 @pytest.mark.gpu
 def test_gpu_production_shape():
     """H=2048, N=5632, odd M, ~30 non-zeros per row, the default config."""
-    from experiments.bench_util import synthetic_mlp
+    from twell_jax.synthetic import synthetic_mlp
 
     x, wg, _, _ = synthetic_mlp(4099, 2048, 5632, 30.0)
     packed, counts = gate_then_pack(x, wg, with_counts=True)

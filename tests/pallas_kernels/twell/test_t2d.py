@@ -219,7 +219,7 @@ def test_t2d_lowers_for_cuda_at_non_power_of_two_width():
 @pytest.mark.gpu
 def test_gpu_production_shape_against_dense():
     """H=2048, N=5632, odd M, ~30 non-zeros per row, default block sizes."""
-    from experiments.bench_util import synthetic_mlp
+    from twell_jax.synthetic import synthetic_mlp
 
     x, wg, wu, wd = synthetic_mlp(4099, H_PROD, N_PROD, 30.0)
     packed = jax.jit(lambda x, w: gate_then_pack(x, w))(x, wg)
