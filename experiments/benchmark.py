@@ -331,7 +331,7 @@ def main(argv):
         # Imported here: the model benchmark pulls in the data pipeline (grain), which
         # the kernel and training modes do not need.
         from experiments import benchmark_model
-        from twell_jax import data
+        from twell_jax import input_pipeline
 
         result["cases"] = benchmark_model.run(
             presets=tuple(FLAGS.model_presets),
@@ -344,7 +344,7 @@ def main(argv):
         if FLAGS.model_workdirs:
             result["trained"] = benchmark_model.run_trained(
                 FLAGS.model_workdirs,
-                FLAGS.model_data_dir or data.DataConfig.data_dir,
+                FLAGS.model_data_dir or input_pipeline.DataConfig.data_dir,
                 batch=FLAGS.model_batch,
                 reps=FLAGS.reps,
             )

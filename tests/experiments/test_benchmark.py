@@ -50,6 +50,24 @@ def test_train_model_benchmark_cli_on_cpu(tmp_path):
     assert "| tiny | 256 |" in table and table.count("\n") == 2
 
 
+@pytest.mark.slow
+def test_model_benchmark_cli_on_cpu(tmp_path):
+    """--mode=model on the tiny preset: one record per compression, l0 near the target."""
+    out = tmp_path / "model.json"
+    flags = "--model_presets=tiny --model_nnz=20 --model_batch=2 --model_seq=128 --reps=2"
+    args = ["-m", "experiments.benchmark", "--mode=model", *flags.split(), f"--out={out}"]
+    run = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["mode"] == "model"
+    assert sorted(c["compression"] for c in res["cases"]) == [2, 8]
+    for rec in res["cases"]:
+        assert rec["preset"] == "tiny" and rec["tokens"] == 256
+        assert 15 < rec["twell_l0_mean"] < 30
+        assert rec["body_norm_rel_err"] < 2e-2  # the TwELL body against the dense body
+        assert rec["speedup"] == pytest.approx(rec["dense_ms"] / rec["twell_ms"])
+
+
 def test_train_benchmark_runs_on_cpu_with_the_xla_kernels():
     """The --mode=train record on tiny shapes: sparse and dense agree, heavy rows fall back."""
     from experiments import benchmark_train
@@ -71,10 +89,10 @@ def test_train_benchmark_runs_on_cpu_with_the_xla_kernels():
 
 
 def test_results_table_names_a_file_that_is_not_a_benchmark_output(tmp_path):
-    record = tmp_path / "s11_ab.json"
+    record = tmp_path / "one_off_ab.json"
     record.write_text('{"command": "python scratch/ab.py", "results": {}}')
     with pytest.raises(
-        SystemExit, match=r"s11_ab\.json: not a --mode=kernel/train/model/train_model"
+        SystemExit, match=r"one_off_ab\.json: not a --mode=kernel/train/model/train_model"
     ):
         results_table.main([str(record)])
 

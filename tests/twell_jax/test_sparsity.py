@@ -22,7 +22,7 @@ def test_hidden_stats_by_hand():
 
 
 def test_l1_gradient_is_sign_over_tokens():
-    """d l1 / d h = sign(h) / M on the non-zeros: what the sparse backward adds (docs/design.md §6.2).
+    """d l1 / d h = sign(h) / M on the non-zeros, the sparse backward's term (docs/design.md §6.2).
 
     (At h == 0 the subgradient does not matter: h = relu(.) * (.) passes nothing back
     through a zero ReLU.)

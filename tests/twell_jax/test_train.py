@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from twell_jax import config as C
 from twell_jax import sharding, train
+from twell_jax.overrides import with_overrides
 
 # fp32 compute for the equivalence tests: Adam's first step moves every parameter by
 # about +-lr whatever the gradient's size, so bf16 noise would flip the sign of tiny
@@ -240,7 +241,7 @@ def test_loss_decreases_and_metrics():
 
 
 def test_twell_cannot_train():
-    cfg = C.with_overrides(small_config(), {"model.ffn_impl": "twell", "model.dtype": "bfloat16"})
+    cfg = with_overrides(small_config(), {"model.ffn_impl": "twell", "model.dtype": "bfloat16"})
     with pytest.raises(ValueError, match="inference-only"):
         train.make_train_step(cfg, sharding.make_mesh())
 
