@@ -36,7 +36,7 @@ from pallas_kernels.twell import format as fmt
 from pallas_kernels.twell import reference
 from pallas_kernels.twell.config import PackConfig, T2DConfig
 from pallas_kernels.twell.pack import gate_then_pack
-from pallas_kernels.twell.t2d import t2d
+from pallas_kernels.twell.t2d import shape_unsupported, t2d
 
 IMPLS = ("auto", "pallas", "interpret", "xla")
 
@@ -91,13 +91,7 @@ def _check_inputs(x: jax.Array, weights: tuple[jax.Array, ...], opts: TwellOptio
 
 def twell_supported(h: int, n: int, compression: int = 8) -> str | None:
     """Why the TwELL ops cannot run d_model H, d_ff N and compression C, or None."""
-    try:
-        fmt.check_format(n, compression)
-    except ValueError as e:
-        return str(e)
-    if h % 64:
-        return f"d_model H={h} must be a multiple of 64"
-    return None
+    return shape_unsupported(h, n, compression)
 
 
 def _sparse_forward(x, weights, opts: TwellOptions):

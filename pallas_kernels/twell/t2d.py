@@ -47,15 +47,24 @@ _F32 = jnp.float32
 _KEEP, _STREAM = "evict_last", "evict_first"
 
 
-def t2d_supported(h: int, n: int, compression: int, cfg: T2DConfig) -> str | None:
-    """Why (H, N, C) cannot run with cfg, or None when it can."""
+def shape_unsupported(h: int, n: int, compression: int) -> str | None:
+    """Why the TwELL kernels have no layout for d_model H, d_ff N and compression C."""
     try:
         fmt.check_format(n, compression)
     except ValueError as e:
         return str(e)
     if h % 64:
         return f"d_model H={h} must be a multiple of 64"
-    return cfg.sddmm.unsupported("sddmm") or cfg.spmm.unsupported("spmm")
+    return None
+
+
+def t2d_supported(h: int, n: int, compression: int, cfg: T2DConfig) -> str | None:
+    """Why (H, N, C) cannot run with cfg, or None when it can."""
+    return (
+        shape_unsupported(h, n, compression)
+        or cfg.sddmm.unsupported("sddmm")
+        or cfg.spmm.unsupported("spmm")
+    )
 
 
 def _next_pow2(n: int) -> int:
