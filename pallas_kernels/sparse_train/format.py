@@ -119,20 +119,31 @@ def heaviest_first(col_counts: jax.Array) -> jax.Array:
     return jnp.zeros((n,), jnp.int32).at[pos].set(jnp.arange(n, dtype=jnp.int32))
 
 
-def build_csc(ell_count: jax.Array, cols: jax.Array, col_counts: jax.Array) -> Csc:
+def build_csc(
+    ell_count: jax.Array,
+    cols: jax.Array,
+    col_counts: jax.Array,
+    exclude: jax.Array | None = None,
+) -> Csc:
     """Sorts the valid ELL slots by neuron (stable XLA sort, deterministic).
 
     Args:
         ell_count: int32 [M], ELL slots to use per row (`ell_counts`).
         cols: int32 [M, W] ELL columns.
         col_counts: int32 [N], `EllRows.col_counts` (valid slots per column).
+        exclude: optional bool [N], neurons left out of the index (empty segments; their
+            slots sort past offsets[N] with the unused ones).
     """
     m, width = cols.shape
     n = col_counts.shape[0]
+    valid = slot_mask(ell_count, width)
+    if exclude is not None:
+        valid &= ~exclude[cols]
+        col_counts = jnp.where(exclude, 0, col_counts)
     # Keys as narrow as the column ids allow: the GPU radix sort then makes 2 passes
     # instead of 4 over the M W slots.
     key_dtype = jnp.uint16 if n < jnp.iinfo(jnp.uint16).max else jnp.int32
-    key = jnp.where(slot_mask(ell_count, width), cols, n).astype(key_dtype).reshape(-1)
+    key = jnp.where(valid, cols, n).astype(key_dtype).reshape(-1)
     ids = jnp.arange(m * width, dtype=jnp.int32)
     _, slots = lax.sort((key, ids), num_keys=1, is_stable=True)
     # Offsets and order are computed after the sort (a data dependency through the

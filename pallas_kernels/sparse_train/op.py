@@ -11,8 +11,10 @@ forward   U = x Wg^T (dense XLA GEMM, bf16 out) -> Pallas compaction of P = relu
 backward  Pallas row kernels: dT = gO Wd^T at the entries + (dL/dl1 / M) sign(T),
           dR = dT P, dU = dT R, then dx = dR Wu + dU Wg (one fp32 accumulator); an XLA
           stable sort builds the neuron-sorted (CSC) index; a Pallas kernel per neuron
-          computes dWu = dR^T x, dWg = dU^T x, dWd = T^T gO; the tail rows through
-          `jax.vjp` of the dense formula on their gather (XLA).
+          computes dWu = dR^T x, dWg = dU^T x, dWd = T^T gO, except for hot neurons
+          (`hot`: at least `hot_min_count` entries), whose rows come from dense GEMMs
+          over a [M, K] block; the tail rows through `jax.vjp` of the dense formula on
+          their gather (XLA).
 fallback  when the heavy rows exceed the largest tail capacity, the whole call (forward
           and backward) runs the dense formula; `stats["dense_fallback"]` says so.
 
@@ -37,7 +39,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from pallas_kernels import _triton
-from pallas_kernels.sparse_train import compaction, csc, row_kernels
+from pallas_kernels.sparse_train import compaction, csc, hot, row_kernels
 from pallas_kernels.sparse_train import format as fmt
 from pallas_kernels.sparse_train.config import LAUNCH_FIELDS, SparseTrainConfig
 from pallas_kernels.sparse_train.reference import dense_block
@@ -218,6 +220,7 @@ def _forward(static: _Static, x, wg, wu, wd):
         "tail_rows": plan.n_rows,
         "tail_capacity": cap_used,
         "dense_fallback": fallback.astype(jnp.int32),
+        "hot_neurons": jnp.sum(ell.col_counts >= cfg.hot_min_count, dtype=jnp.int32),
         "fired": fired,
     }
     res = (x, wg, wu, wd, ell_count, ell.cols, ell.vals, ell.col_counts, r, t, plan.rows)
@@ -253,7 +256,8 @@ def _op_bwd(static, res, cts):
         # Outside the cond: the sort depends only on the forward's pattern, and a cond
         # whose branches hold only kernels, GEMMs and fusions runs as a CUDA-graph
         # conditional (a device-side predicate) instead of a host round trip.
-        index = fmt.build_csc(ell_count, cols, col_counts)
+        plan = hot.plan_hot(col_counts, cfg.hot_min_count, cfg.hot_capacities)
+        index = fmt.build_csc(ell_count, cols, col_counts, exclude=plan.is_hot())
 
     def sparse(_):
         ell = (ell_count, cols, p_vals, r, t, scale[None])
@@ -269,6 +273,10 @@ def _op_bwd(static, res, cts):
         with jax.named_scope("twell_spmm_csc"):
             kw = _kernel_kwargs(static, cfg.spmm_csc)
             dwu, dwg, dwd = csc.spmm_csc(index.offsets, index.order, *entries, x, g_out, **kw)
+        with jax.named_scope("twell_hot_grads"):
+            dwu, dwg, dwd = hot.switch_hot_grads(
+                plan, cfg.hot_capacities, ell_count, cols, dr, du, t, x, g_out, (dwu, dwg, dwd)
+            )
         with jax.named_scope("twell_tail_bwd"):
             branches = [functools.partial(_tail_bwd, cap) for cap in caps]
             dx_t, (dwg, dwu, dwd) = lax.switch(
@@ -320,6 +328,8 @@ def sparse_gated_mlp_train(
             tail_capacity: int32 scalar, tail bucket capacity used (-1: fallback).
             dense_fallback: int32 scalar, 1 when the tail was full and the call ran
                 densely.
+            hot_neurons: int32 scalar, neurons with at least `hot_min_count` ELL
+                entries (their weight gradients run as dense GEMMs).
             fired: bool [N], neurons positive for at least one token.
 
     Raises:

@@ -1,0 +1,116 @@
+"""Hot neurons: weight gradients of the most active neurons as dense GEMMs
+(docs/design.md §6.3).
+
+The per-neuron SpMM (`csc.spmm_csc`) gives each neuron's token segment to one program,
+so a neuron that fires for thousands of tokens runs a loop thousands of entries long
+while most programs have finished. Trained models have such neurons (one may fire for
+a third of all tokens). Neurons with at least `min_count` ELL entries are taken out of
+the CSC index; their dR, dU and T values are scattered into dense [M, K] blocks and
+their rows of dWu = dR^T x, dWg = dU^T x and dWd = T^T gO come from tensor-core GEMMs
+(fp32 accumulation, like the SpMM). K, the block width, is a static capacity picked on
+the device from a few buckets (`lax.switch`), so a call without hot neurons pays for
+no GEMM. When more neurons are hot than the largest capacity holds, the first ones by
+id take the dense block and the others stay in the CSC index: slower, still exact.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.sparse_train.format import slot_mask
+
+_F32 = jnp.float32
+
+
+class HotPlan(NamedTuple):
+    """Which neurons take the dense block.
+
+    Attributes:
+        ids: int32 [K_max], the hot neurons in ascending id order, padded with N.
+        index: int32 [N], a neuron's column in the dense block, K_max when not hot.
+        n_hot: int32 scalar, neurons with at least `min_count` entries (uncapped).
+        bucket: int32 scalar index into the capacities: the smallest that holds
+            `n_hot`, else the largest.
+    """
+
+    ids: jax.Array
+    index: jax.Array
+    n_hot: jax.Array
+    bucket: jax.Array
+
+    def is_hot(self) -> jax.Array:
+        """bool [N]: the neuron's entries go to the dense block, not the CSC index."""
+        return self.index < self.ids.shape[0]
+
+
+def plan_hot(col_counts: jax.Array, min_count: int, capacities: tuple[int, ...]) -> HotPlan:
+    """Selects the neurons with at least `min_count` entries (at most max(capacities)).
+
+    Args:
+        col_counts: int32 [N], ELL entries per neuron (`EllRows.col_counts`).
+        min_count: entries from which a neuron is hot (>= 1).
+        capacities: ascending static block widths, the first 0 or more.
+    """
+    n = col_counts.shape[0]
+    k_max = max(capacities)
+    hot = col_counts >= min_count
+    n_hot = jnp.sum(hot, dtype=jnp.int32)
+    rank = jnp.cumsum(hot, dtype=jnp.int32) - 1
+    index = jnp.where(hot & (rank < k_max), rank, k_max).astype(jnp.int32)
+    neurons = jnp.arange(n, dtype=jnp.int32)
+    ids = jnp.full((k_max,), n, jnp.int32).at[index].set(neurons, mode="drop")
+    fits = n_hot > jnp.asarray(capacities, jnp.int32)
+    bucket = jnp.minimum(jnp.sum(fits, dtype=jnp.int32), len(capacities) - 1)
+    return HotPlan(ids, index, n_hot, bucket)
+
+
+def hot_weight_grads(
+    k: int,
+    plan: HotPlan,
+    ell_count: jax.Array,
+    cols: jax.Array,
+    dr_vals: jax.Array,
+    du_vals: jax.Array,
+    t_vals: jax.Array,
+    x: jax.Array,
+    g_out: jax.Array,
+    dws: tuple[jax.Array, jax.Array, jax.Array],
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Writes the hot neurons' rows of (dWu, dWg, dWd) with a dense block of width k.
+
+    Args:
+        k: static block width (a capacity of the plan); 0 returns dws unchanged.
+        plan: from `plan_hot`; its hot neurons must number at most k (or be capped).
+        ell_count: int32 [M] ELL slots per row; cols: int32 [M, W].
+        dr_vals, du_vals, t_vals: [M, W] dR, dU and T at the ELL slots.
+        x, g_out: [M, H] tokens and upstream gradient.
+        dws: (dWu, dWg, dWd) [N, H] from the CSC SpMM, whose hot rows are zero.
+
+    Returns:
+        dws with the hot rows set, in their dtypes.
+    """
+    if k == 0:
+        return dws
+    m, width = cols.shape
+    col = jnp.where(slot_mask(ell_count, width), plan.index[cols], k)
+    rows = jnp.arange(m, dtype=jnp.int32)[:, None]
+
+    def block(vals):  # [M, k]: a neuron appears at most once per row, so set is exact
+        return jnp.zeros((m, k), vals.dtype).at[rows, col].set(vals, mode="drop")
+
+    ids = plan.ids[:k]
+    out = []
+    for vals, act, dw in zip((dr_vals, du_vals, t_vals), (x, x, g_out), dws, strict=True):
+        rows_kh = jnp.einsum("mk,mh->kh", block(vals), act, preferred_element_type=_F32)
+        out.append(dw.at[ids].set(rows_kh.astype(dw.dtype), mode="drop"))
+    return tuple(out)
+
+
+def switch_hot_grads(plan: HotPlan, capacities: tuple[int, ...], *args) -> tuple:
+    """`hot_weight_grads` at the plan's bucket (one static width per branch)."""
+    branches = [lambda *a, k=k: hot_weight_grads(k, plan, *a) for k in capacities]
+    return lax.switch(plan.bucket, branches, *args)

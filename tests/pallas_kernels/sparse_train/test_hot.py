@@ -1,0 +1,78 @@
+"""Hot neurons: the plan, and the op's gradients when neurons take the dense block
+(a neuron on for every token, more hot neurons than the block holds, all neurons dead,
+a row with every neuron on) against jax.grad of the dense reference."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.sparse_train import SparseTrainConfig, hot
+from tests.pallas_kernels.sparse_train.cases import MODES, SMALL, H, M, N, make_inputs
+from tests.pallas_kernels.sparse_train.test_op import _check_against_reference
+
+# Neurons with >= 6 of the 40 tokens are hot; blocks of 2 or 4 neurons.
+HOT = dict(SMALL, hot_min_count=6, hot_capacities=(0, 2, 4))
+
+
+def test_plan_picks_bucket_and_caps_at_the_largest():
+    counts = jnp.asarray([0, 9, 3, 6, 12, 5, 6, 1], jnp.int32)
+    plan = hot.plan_hot(counts, min_count=6, capacities=(0, 2, 4))
+    assert int(plan.n_hot) == 4 and int(plan.bucket) == 2  # 4 hot fit the capacity 4
+    np.testing.assert_array_equal(plan.ids, [1, 3, 4, 6])
+    np.testing.assert_array_equal(plan.is_hot(), counts >= 6)
+    capped = hot.plan_hot(counts, min_count=1, capacities=(0, 2, 4))
+    assert int(capped.n_hot) == 7 and int(capped.bucket) == 2  # the largest holds 4 of 7
+    np.testing.assert_array_equal(capped.ids, [1, 2, 3, 4])
+    assert int(capped.is_hot().sum()) == 4  # the other 3 stay in the CSC index
+    none = hot.plan_hot(jnp.zeros((8,), jnp.int32), min_count=1, capacities=(0, 2))
+    assert int(none.n_hot) == 0 and int(none.bucket) == 0
+    assert not bool(none.is_hot().any())
+
+
+@pytest.mark.parametrize("bad", [(4, 16), (0, 16, 4), (0, 4, 4)])
+def test_bad_hot_capacities_raise(bad):
+    with pytest.raises(ValueError, match="hot_capacities"):
+        SparseTrainConfig(hot_capacities=bad)
+    with pytest.raises(ValueError, match="hot_min_count"):
+        SparseTrainConfig(hot_min_count=0)
+
+
+def _inputs(case):
+    x, wg, wu, wd, proj = make_inputs(20, M, H, N, 3)
+    if case in ("always_on", "always_on_and_full_row"):
+        wg = wg.at[7, 0].set(8.0)  # x[:, 0] = 1: neuron 7 fires for every token
+        wg = wg.at[100, 0].set(8.0)
+    if case == "many_hot":
+        wg = wg.at[:8, 0].set(0.0)  # 8 neurons on for half the tokens: more than 4
+    if case == "all_dead":
+        wg = wg.at[:, 0].set(-40.0)
+    if case == "always_on_and_full_row":
+        x = x.at[11, 0].set(-40.0)  # every gate of token 11 positive: a tail row
+    return x, wg, wu, wd, proj
+
+
+@pytest.mark.parametrize("interpret", MODES)
+@pytest.mark.parametrize(
+    "case, n_hot",
+    [("always_on", 2), ("many_hot", None), ("all_dead", 0), ("always_on_and_full_row", 2)],
+)
+def test_op_grads_with_hot_neurons(interpret, case, n_hot):
+    stats = _check_against_reference(_inputs(case), SparseTrainConfig(**HOT), interpret)
+    if n_hot is not None:
+        assert int(stats["hot_neurons"]) == n_hot
+    else:
+        assert int(stats["hot_neurons"]) > 4  # past the largest block
+    if case == "all_dead":
+        assert float(stats["l0"]) == 0.0
+    assert int(stats["dense_fallback"]) == 0
+
+
+def test_hot_block_changes_nothing_but_the_schedule():
+    """Same gradients (to bf16 rounding) with the hot block on or off."""
+    inputs = _inputs("always_on")
+    on = _check_against_reference(inputs, SparseTrainConfig(**HOT), True)
+    off_cfg = dataclasses.replace(SparseTrainConfig(**HOT), hot_min_count=M + 1)
+    off = _check_against_reference(inputs, off_cfg, True)
+    assert int(on["hot_neurons"]) == 2 and int(off["hot_neurons"]) == 0
