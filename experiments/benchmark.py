@@ -41,7 +41,7 @@ from pallas_kernels.twell import pack as pack_mod
 from pallas_kernels.twell import t2d as t2d_mod
 from pallas_kernels.twell.config import PackConfig, T2DConfig
 from twell_jax.overrides import with_overrides
-from twell_jax.synthetic import synthetic_mlp
+from twell_jax.synthetic import PATTERNS, synthetic_mlp
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum(
@@ -106,6 +106,16 @@ flags.DEFINE_multi_string(
     ["1,1,8,16,3", "1,1,8,16,7", "2,1,8,8,1", "2,1,8,12,2", "2,1,16,8,1", "8,4,8,4,1"],
     "Pack kernel block_m,num_warps[,group[,steps[,ahead]]] to try in --mode=tune.",
 )
+flags.DEFINE_enum(
+    "pattern",
+    "uniform",
+    list(PATTERNS),
+    "Activation pattern of the synthetic gates of --mode=kernel/tune/train"
+    " (twell_jax.synthetic.gate_pattern).",
+)
+flags.DEFINE_float(
+    "pattern_sigma", 1.0, "sigma of --pattern=skew (thresholds) or heavy_rows (token scales)."
+)
 flags.DEFINE_list("train_nnz", ["10", "29", "50", "100"], "Densities of --mode=train.")
 flags.DEFINE_multi_string(
     "train_config", [], "key=value SparseTrainConfig overrides of --mode=train (repeatable)."
@@ -129,7 +139,7 @@ def kernel_case(
     m: int, nnz: float, h: int, n: int, c: int, reps: int, warmup: int, inner: int
 ) -> dict:
     """One (M, density) point: every kernel and both MLPs, sparse and dense."""
-    x, wg, wu, wd = synthetic_mlp(m, h, n, nnz)
+    x, wg, wu, wd = synthetic_mlp(m, h, n, nnz, pattern=FLAGS.pattern, sigma=FLAGS.pattern_sigma)
     timed = lambda f, *a: bu.time_fn(f, *a, warmup=warmup, reps=reps, inner=inner)["median_ms"]
     single = lambda f, *a: bu.time_fn(f, *a, warmup=warmup, reps=reps)["median_ms"]
 
@@ -209,7 +219,7 @@ def sweep_case(
     m: int, nnz: float, h: int, n: int, c: int, reps: int, warmup: int, inner: int
 ) -> dict:
     """Whole gated MLP only, for the density crossover."""
-    x, wg, wu, wd = synthetic_mlp(m, h, n, nnz)
+    x, wg, wu, wd = synthetic_mlp(m, h, n, nnz, pattern=FLAGS.pattern, sigma=FLAGS.pattern_sigma)
     twell_gated = jax.jit(
         lambda *a: twell_op.twell_gated_mlp(*a, compression=c, impl="pallas", return_stats=True)
     )
@@ -259,7 +269,7 @@ def _time_configs(kind: str, cfgs, make_fn, args, warmup: int, reps: int, inner:
 
 def tune(m: int, h: int, n: int, c: int, reps: int, warmup: int, inner: int) -> dict:
     """Launches of the pack kernel, the fused D2T baseline and GatedT2D at ~29 nnz per row."""
-    x, wg, wu, wd = synthetic_mlp(m, h, n, 29)
+    x, wg, wu, wd = synthetic_mlp(m, h, n, 29, pattern=FLAGS.pattern, sigma=FLAGS.pattern_sigma)
     gate = jax.jit(reference.hidden)
     gemm_ms = bu.time_fn(gate, x, wg, warmup=warmup, reps=reps, inner=inner)["median_ms"]
     timed = functools.partial(_time_configs, warmup=warmup, reps=reps, inner=inner)
@@ -305,7 +315,13 @@ def main(argv):
         "jax": jax.__version__,
         "host": platform.node(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "pattern": FLAGS.pattern,
+        "pattern_sigma": FLAGS.pattern_sigma,
     }
+    if FLAGS.pattern != "uniform" and FLAGS.mode in ("model", "train_model"):
+        raise app.UsageError(
+            f"--pattern={FLAGS.pattern} is not implemented for --mode={FLAGS.mode}"
+        )
     if FLAGS.mode == "kernel":
         result["cases"] = []
         for m in tokens:
@@ -323,6 +339,8 @@ def main(argv):
             N=n,
             nnz_targets=tuple(float(v) for v in FLAGS.train_nnz),
             reps=FLAGS.reps,
+            pattern=FLAGS.pattern,
+            sigma=FLAGS.pattern_sigma,
             config=with_overrides(
                 SparseTrainConfig(), dict(kv.split("=", 1) for kv in FLAGS.train_config)
             ),

@@ -37,21 +37,35 @@ from pallas_kernels.sparse_train import (
 from pallas_kernels.sparse_train import format as fmt
 from pallas_kernels.sparse_train.compaction import CompactLaunch
 from pallas_kernels.sparse_train.config import LAUNCH_FIELDS, ROW_FIELDS
+from twell_jax.synthetic import gate_pattern
 
 L1_COEF = 2e-5
 
 
-def synthetic_inputs(seed: int, m: int, h: int, n: int, nnz: float, heavy_rows: int = 0):
+def synthetic_inputs(
+    seed: int,
+    m: int,
+    h: int,
+    n: int,
+    nnz: float,
+    heavy_rows: int = 0,
+    pattern: str = "uniform",
+    sigma: float = 1.0,
+):
     """bf16 (x, w_gate, w_up, w_down, g) with ~nnz positive gate entries per row.
 
+    `pattern` / `sigma`: the activation pattern (`twell_jax.synthetic.gate_pattern`).
     `heavy_rows` rows drop the bias (about N/2 positives each) to exercise the tail.
     """
     k = jax.random.split(jax.random.key(seed), 5)
-    thr = float(jax.scipy.special.ndtri(1.0 - nnz / n))
-    x = jax.random.normal(k[0], (m, h), jnp.bfloat16).at[:, 0].set(1.0)
+    thr, scale = gate_pattern(pattern, m, n, nnz, sigma, seed)
+    x = jax.random.normal(k[0], (m, h), jnp.bfloat16)
+    if pattern == "heavy_rows":
+        x = (x.astype(jnp.float32) * jnp.asarray(scale)[:, None]).astype(jnp.bfloat16)
+    x = x.at[:, 0].set(1.0)
     if heavy_rows:
         x = x.at[:heavy_rows, 0].set(0.0)
-    wg = (jax.random.normal(k[1], (n, h)) / np.sqrt(h - 1)).at[:, 0].set(-thr)
+    wg = (jax.random.normal(k[1], (n, h)) / np.sqrt(h - 1)).at[:, 0].set(-jnp.asarray(thr))
     wu = 0.02 * jax.random.normal(k[2], (n, h))
     wd = 0.02 * jax.random.normal(k[3], (n, h))
     g = jax.random.normal(k[4], (m, h), jnp.bfloat16)
@@ -227,6 +241,8 @@ def run(
     heavy_rows: int = 0,
     config: SparseTrainConfig | None = None,
     breakdown: bool = True,
+    pattern: str = "uniform",
+    sigma: float = 1.0,
 ) -> list[dict]:
     """Times sparse vs dense value_and_grad; one JSON-able dict per nnz target.
 
@@ -237,6 +253,7 @@ def run(
         heavy_rows: rows forced to ~N/2 positives (exercise the dense tail / fallback).
         config: SparseTrainConfig (default: the production one, Pallas kernels).
         breakdown: also time each stage separately.
+        pattern, sigma: activation pattern of the synthetic gates (`gate_pattern`).
     """
     config = config or SparseTrainConfig()
     argnums = (0, 1, 2, 3)
@@ -250,8 +267,9 @@ def run(
     dense_fwd = jax.jit(_dense_loss)
     records = []
     for i, nnz in enumerate(nnz_targets):
-        args = synthetic_inputs(i, M, H, N, nnz, heavy_rows)
+        args = synthetic_inputs(i, M, H, N, nnz, heavy_rows, pattern, sigma)
         rec = {"M": M, "H": H, "N": N, "nnz_target": nnz, "heavy_rows": heavy_rows}
+        rec.update(pattern=pattern, sigma=sigma)
         rec["sparse_memory"] = _memory(sparse, args)
         rec["dense_memory"] = _memory(dense, args)
         (loss_s, stats), grads_s = sparse(*args)
@@ -263,6 +281,7 @@ def run(
             tail_rows=int(stats["tail_rows"]),
             tail_capacity=int(stats["tail_capacity"]),
             dense_fallback=int(stats["dense_fallback"]),
+            hot_neurons=int(stats["hot_neurons"]),
             alive_fraction=float(jnp.mean(stats["fired"])),
             sparse_loss=float(loss_s),
             dense_loss=float(loss_d),

@@ -4,7 +4,10 @@ Without trained weights at hand, the benchmarks and the production-shape kernel 
 need gate pre-activations of which about `nnz` per token are positive. Both helpers get
 them from a bias-like coordinate: a constant x[:, 0] and a negative w_gate[:, 0].
 
-`synthetic_mlp` draws one MLP's bf16 inputs directly. `synthetic_sparse_params`
+`synthetic_mlp` draws one MLP's bf16 inputs directly, with an activation pattern
+(`gate_pattern`): "uniform" (every neuron equally likely to fire), "skew" (each neuron
+its own threshold: hot and dead neurons, as in trained models) or "heavy_rows" (each
+token its own activity scale: a heavy-tailed l0 per row). `synthetic_sparse_params`
 adapts a randomly initialised `Transformer`:
 
 1. every token embedding gets a constant first coordinate (1.0, against ~0.02 for the
@@ -29,29 +32,75 @@ from flax import nnx
 from twell_jax.config import model_preset
 from twell_jax.model import Transformer
 
+PATTERNS = ("uniform", "skew", "heavy_rows")
 
-def gate_threshold(nnz_per_row: float, n: int, h: int, x_std: float, w_std: float) -> float:
-    """Bias that leaves about `nnz_per_row` of N gate pre-activations positive.
 
-    With x[:, 0] = 1 and Wg[:, 0] = -thr, a gate pre-activation is a normal with std
-    sqrt(H - 1) * x_std * w_std shifted by -thr.
+def gate_pattern(
+    pattern: str, m: int, n: int, nnz_per_row: float, sigma: float = 1.0, seed: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """Thresholds and token scales for pre-activations u[i, j] = s_i z[i, j] - thr_j,
+    z standard normal, with a mean of `nnz_per_row` positives per token.
+
+    uniform: thr_j = q = Phi^-1(1 - nnz / N), s_i = 1.
+    skew: thr_j ~ N(sqrt(1 + sigma^2) q, sigma^2), so that u - thr is N(-sqrt(1+sigma^2)
+      q, 1 + sigma^2) over neurons and the mean rate stays nnz / N; neurons below the
+      mean threshold are hot (at sigma = 1 the hottest fire for a third of the tokens),
+      those above it nearly dead.
+    heavy_rows: s_i = exp(sigma z_i - sigma^2 / 2) (lognormal), one threshold for all
+      neurons, found by bisection so that the mean over tokens of Phi(-thr / s_i) is
+      nnz / N (sigma = 0.35 gives a p99 of about 13x the mean l0).
+
+    Returns:
+      (thr float32 [N], scale float32 [M]).
+
+    Raises:
+      ValueError: unknown pattern, or sigma < 0.
     """
+    if pattern not in PATTERNS:
+        raise ValueError(f"pattern must be one of {PATTERNS}, got {pattern!r}")
+    if sigma < 0:
+        raise ValueError(f"sigma must be >= 0, got {sigma}")
+    rng = np.random.default_rng(seed)
     p = min(max(nnz_per_row / n, 1e-9), 0.5)
-    std = np.sqrt(h - 1) * x_std * w_std
-    return float(std * statistics.NormalDist().inv_cdf(1.0 - p))
+    q = statistics.NormalDist().inv_cdf(1.0 - p)
+    thr = np.full((n,), q)
+    scale = np.ones((m,))
+    if pattern == "skew":
+        thr = np.sqrt(1.0 + sigma**2) * q + sigma * rng.standard_normal(n)
+    elif pattern == "heavy_rows":
+        scale = np.exp(sigma * rng.standard_normal(m) - sigma**2 / 2)
+        lo, hi = 0.0, 10.0 * q + 10.0
+        for _ in range(50):  # the mean rate falls as the threshold grows
+            mid = (lo + hi) / 2
+            rate = float(jnp.mean(jax.scipy.special.ndtr(-mid / scale)))
+            lo, hi = (mid, hi) if rate > p else (lo, mid)
+        thr = np.full((n,), (lo + hi) / 2)
+    return thr.astype(np.float32), scale.astype(np.float32)
 
 
-def synthetic_mlp(m: int, h: int, n: int, nnz_per_row: float, seed: int = 0):
+def synthetic_mlp(
+    m: int,
+    h: int,
+    n: int,
+    nnz_per_row: float,
+    seed: int = 0,
+    pattern: str = "uniform",
+    sigma: float = 1.0,
+):
     """bf16 x [M, H] and gate/up/down weights [N, H] with ~nnz_per_row positive gates.
 
-    The sparsity comes from a bias-like column: x[:, 0] = 1 and Wg[:, 0] = -thr.
+    The sparsity comes from a bias-like column: x[:, 0] = 1 and Wg[:, 0] = -thr_j, the
+    other columns giving unit-std pre-activations; `pattern` and `sigma` as in
+    `gate_pattern` (token scales multiply x[i, 1:]).
     """
     k = jax.random.split(jax.random.key(seed), 4)
     w_std = 0.02
-    x = jax.random.normal(k[0], (m, h), jnp.float32)
+    thr, scale = gate_pattern(pattern, m, n, nnz_per_row, sigma, seed)
+    x = jax.random.normal(k[0], (m, h), jnp.float32) * jnp.asarray(scale)[:, None]
     x = x.at[:, 0].set(1.0).astype(jnp.bfloat16)
     w_gate = jax.random.normal(k[1], (n, h), jnp.float32) * w_std
-    w_gate = w_gate.at[:, 0].set(-gate_threshold(nnz_per_row, n, h, 1.0, w_std))
+    std = float(np.sqrt(h - 1) * w_std)  # of the pre-activation's random part
+    w_gate = w_gate.at[:, 0].set(-jnp.asarray(thr) * std)
     w_up = jax.random.normal(k[2], (n, h), jnp.float32) * w_std
     w_down = jax.random.normal(k[3], (n, h), jnp.float32) * w_std
     return x, w_gate.astype(jnp.bfloat16), w_up.astype(jnp.bfloat16), w_down.astype(jnp.bfloat16)
