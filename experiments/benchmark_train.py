@@ -30,6 +30,7 @@ from pallas_kernels.sparse_train import (
     SparseTrainConfig,
     compaction,
     csc,
+    hot,
     resolve_config,
     row_kernels,
     sparse_gated_mlp_train,
@@ -141,8 +142,14 @@ def _breakdown(
     )
 
     def index(c, cols, col_counts, dr, du, t):
-        index = fmt.build_csc(c, cols, col_counts)
+        plan = hot.plan_hot(col_counts, config.hot_min_count, config.hot_capacities)
+        index = fmt.build_csc(c, cols, col_counts, exclude=plan.is_hot())
         return index.offsets, index.order, *csc.csc_entries(index, width, dr, du, t)
+
+    def hot_grads(c, cols, col_counts, dr, du, t, x, g):
+        plan = hot.plan_hot(col_counts, config.hot_min_count, config.hot_capacities)
+        zeros = tuple(jnp.zeros((col_counts.shape[0], x.shape[1]), x.dtype) for _ in range(3))
+        return hot.switch_hot_grads(plan, config.hot_capacities, c, cols, dr, du, t, x, g, zeros)
 
     index = jax.jit(index)
     offsets, *entries = index(cnt, ell.cols, ell.col_counts, dr, du, t)
@@ -156,6 +163,7 @@ def _breakdown(
         "spmm_dx": (spmm_dx, (dr, du, wu, wg, cnt, ell.cols)),
         "csc_index": (index, (cnt, ell.cols, ell.col_counts, dr, du, t)),
         "spmm_csc": (spmm_csc, (offsets, *entries, x, g)),
+        "hot_grads": (jax.jit(hot_grads), (cnt, ell.cols, ell.col_counts, dr, du, t, x, g)),
     }
     return {k: _median_ms(f, a, samples) for k, (f, a) in stages.items() if not only or k in only}
 
