@@ -110,8 +110,8 @@ flags.DEFINE_enum(
     "pattern",
     "uniform",
     list(PATTERNS),
-    "Activation pattern of the synthetic gates of --mode=kernel/tune/train"
-    " (twell_jax.synthetic.gate_pattern).",
+    "Activation pattern of the synthetic gates (twell_jax.synthetic.gate_pattern); the"
+    " model modes take uniform or skew.",
 )
 flags.DEFINE_float(
     "pattern_sigma", 1.0, "sigma of --pattern=skew (thresholds) or heavy_rows (token scales)."
@@ -318,7 +318,7 @@ def main(argv):
         "pattern": FLAGS.pattern,
         "pattern_sigma": FLAGS.pattern_sigma,
     }
-    if FLAGS.pattern != "uniform" and FLAGS.mode in ("model", "train_model"):
+    if FLAGS.pattern == "heavy_rows" and FLAGS.mode in ("model", "train_model"):
         raise app.UsageError(
             f"--pattern={FLAGS.pattern} is not implemented for --mode={FLAGS.mode}"
         )
@@ -358,6 +358,8 @@ def main(argv):
             seq=FLAGS.model_seq,
             reps=FLAGS.reps,
             compressions=tuple(int(c) for c in FLAGS.model_compressions),
+            pattern=FLAGS.pattern,
+            sigma=FLAGS.pattern_sigma,
         )
         if FLAGS.model_workdirs:
             result["trained"] = benchmark_model.run_trained(
@@ -376,6 +378,8 @@ def main(argv):
             seq=FLAGS.model_seq,
             reps=FLAGS.reps,
             model_overrides=dict(kv.split("=", 1) for kv in FLAGS.train_model_set),
+            pattern=FLAGS.pattern,
+            sigma=FLAGS.pattern_sigma,
         )
     elif FLAGS.mode == "train_tune":
         result["tune"] = benchmark_train.tune(M=FLAGS.train_tokens, H=h, N=n)

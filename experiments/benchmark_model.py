@@ -91,17 +91,22 @@ def run(
     seq: int = 2048,
     reps: int = 10,
     compressions=(8,),
+    pattern: str = "uniform",
+    sigma: float = 1.0,
 ) -> list[dict]:
-    """tokens/ms of the model body for each preset and C, dense and twell, same weights."""
+    """tokens/ms of the model body for each preset and C, dense and twell, same weights
+    (`pattern`, `sigma`: the gate thresholds of `synthetic_sparse_params`)."""
     records = []
     for preset in presets:
-        params, calib_l0 = synthetic_sparse_params(preset, nnz)
+        params, calib_l0 = synthetic_sparse_params(preset, nnz, pattern=pattern, sigma=sigma)
         cfg = model_preset(preset)
         tokens = jax.random.randint(jax.random.key(7), (batch, seq), 0, cfg.vocab_size)
         head = {
             "preset": preset,
             "tokens": batch * seq,
             "target_nnz": nnz,
+            "pattern": pattern,
+            "pattern_sigma": sigma,
             "calibration_l0_mean": float(calib_l0.mean()),
             "calibration_l0_min": float(calib_l0.min()),
             "calibration_l0_max": float(calib_l0.max()),

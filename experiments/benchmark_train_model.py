@@ -103,6 +103,8 @@ def run(
     warmup: int = 2,
     l1_coef: float = 2e-5,
     model_overrides: dict | None = None,
+    pattern: str = "uniform",
+    sigma: float = 1.0,
 ) -> list[dict]:
     """Training-step tokens/ms of each preset, dense and sparse FFNs, same start.
 
@@ -114,6 +116,7 @@ def run(
       l1_coef: lambda of the L1 activation term (both chains compute it).
       model_overrides: ModelConfig field -> value (strings are parsed) for both
         chains, e.g. {"sparse_ell_width": "64"}.
+      pattern, sigma: "uniform" or "skew" gate thresholds (`synthetic_sparse_params`).
 
     Returns:
       one record per preset (see `_record`), also printed as it completes.
@@ -121,7 +124,9 @@ def run(
     mesh = sharding.make_mesh()
     records = []
     for preset in presets:
-        params, calib_l0 = synthetic_sparse_params(preset, nnz, calib_tokens=(batch, seq))
+        params, calib_l0 = synthetic_sparse_params(
+            preset, nnz, calib_tokens=(batch, seq), pattern=pattern, sigma=sigma
+        )
         steps, states = {}, {}
         for impl in IMPLS:
             cfg = _train_config(preset, impl, batch, seq, l1_coef, model_overrides or {})
@@ -145,6 +150,8 @@ def run(
                 "batch": batch,
                 "seq": seq,
                 "target_nnz": nnz,
+                "pattern": pattern,
+                "pattern_sigma": sigma,
                 "l1_coef": l1_coef,
                 "model_overrides": dict(model_overrides or {}),
                 "calibration_l0_mean": float(calib_l0.mean()),

@@ -106,21 +106,40 @@ def synthetic_mlp(
     return x, w_gate.astype(jnp.bfloat16), w_up.astype(jnp.bfloat16), w_down.astype(jnp.bfloat16)
 
 
-def _with_gate_bias(params: dict, bias: jax.Array) -> dict:
-    """params with w_gate[l, :, 0] = -bias[l] (bias [L]); the other arrays are shared."""
+def _with_gate_bias(params: dict, bias: jax.Array, shape: jax.Array) -> dict:
+    """params with w_gate[l, j, 0] = -bias[l] shape[l, j]; the other arrays are shared."""
     ffn = params["blocks"]["ffn"]
-    w_gate = ffn["w_gate"].at[:, :, 0].set(-bias[:, None].astype(ffn["w_gate"].dtype))
+    thr = bias[:, None] * shape
+    w_gate = ffn["w_gate"].at[:, :, 0].set(-thr.astype(ffn["w_gate"].dtype))
     return {**params, "blocks": {**params["blocks"], "ffn": {**ffn, "w_gate": w_gate}}}
 
 
 def synthetic_sparse_params(
-    preset: str, nnz: float, seed: int = 0, calib_tokens=(8, 2048), rounds: int = 14
+    preset: str,
+    nnz: float,
+    seed: int = 0,
+    calib_tokens=(8, 2048),
+    rounds: int = 14,
+    pattern: str = "uniform",
+    sigma: float = 1.0,
 ) -> tuple[dict, np.ndarray]:
     """bf16 parameters of `preset` with ~nnz positive gate entries per token per layer.
 
+    pattern "skew" gives every neuron its own threshold, in units of its layer's
+    calibrated bias b_l: b_l (sqrt(1 + sigma^2) + sigma z_j / q) with z_j standard
+    normal and q = Phi^-1(1 - nnz / N), the `gate_pattern` skew with the layer's
+    pre-activation scale b_l / q; the bisection then sets b_l for that shape.
+
     Returns (pure-dict params for `nnx.merge`, l0 per layer [L] measured on the
     calibration batch).
+
+    Raises:
+      ValueError: a pattern other than "uniform" or "skew".
     """
+    if pattern not in ("uniform", "skew"):
+        raise ValueError(
+            f"synthetic_sparse_params: pattern must be 'uniform' or 'skew', got {pattern!r}"
+        )
     cfg = model_preset(preset, ffn_impl="dense", remat=False)
     graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(seed)))
     params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), nnx.to_pure_dict(state))
@@ -137,12 +156,17 @@ def synthetic_sparse_params(
     def layer_l0(params):
         return nnx.merge(graphdef, params)(tokens)[1]["l0"]
 
+    shape = jnp.ones((cfg.n_layers, cfg.d_ff), jnp.float32)
+    if pattern == "skew":
+        q = statistics.NormalDist().inv_cdf(1.0 - min(max(nnz / cfg.d_ff, 1e-9), 0.5))
+        z = np.random.default_rng(seed).standard_normal((cfg.n_layers, cfg.d_ff))
+        shape = jnp.asarray(np.sqrt(1.0 + sigma**2) + sigma * z / q, jnp.float32)
     lo = jnp.full((cfg.n_layers,), 1e-3)
     hi = jnp.full((cfg.n_layers,), 1e3)
     for _ in range(rounds):  # geometric bisection: l0 falls as the bias grows
         mid = jnp.sqrt(lo * hi)
-        l0 = layer_l0(_with_gate_bias(params, mid))
+        l0 = layer_l0(_with_gate_bias(params, mid, shape))
         lo = jnp.where(l0 > nnz, mid, lo)
         hi = jnp.where(l0 > nnz, hi, mid)
-    params = _with_gate_bias(params, jnp.sqrt(lo * hi))
+    params = _with_gate_bias(params, jnp.sqrt(lo * hi), shape)
     return params, np.asarray(layer_l0(params))
