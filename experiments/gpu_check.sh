@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the GPU test suite, then the benchmarks.
-#   bash experiments/gpu_check.sh [tests|kernel|train|model|train_model|tune|train_tune|memory|quality|l1sweep|all]...
+#   bash experiments/gpu_check.sh [tests|kernel|train|model|train_model|patterns|tune|train_tune|memory|quality|l1sweep|all]...
 # Results (JSON and logs) go to $OUT when set, else results/ (README.md, "Reproduce").
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,6 +30,16 @@ for what in "${@:-all}"; do
     train_model) python3 -m experiments.benchmark --mode=train_model --reps=8 \
                    --model_presets="${TRAIN_MODEL_PRESETS:-2b,1.5b}" \
                    --out="$OUT/train_model_h200.json" || status=1 ;;
+    patterns)  # the training op and the 2B training step on each activation pattern
+      for p in uniform skew heavy_rows; do
+        sigma=1.0; [ "$p" = heavy_rows ] && sigma=0.35
+        python3 -m experiments.benchmark --mode=train --reps=20 --train_nnz=10,29,40 \
+          --pattern="$p" --pattern_sigma="$sigma" --out="$OUT/train_pattern_${p}_h200.json" \
+          || status=1
+      done
+      python3 -m experiments.benchmark --mode=train_model --reps=8 --model_presets=2b \
+        --model_nnz=31.4 --pattern=skew --out="$OUT/train_model_2b_skew_h200.json" \
+        || status=1 ;;
     tune) python3 -m experiments.benchmark --mode=tune --out="$OUT/tune_h200.json" || status=1 ;;
     train_tune) python3 -m experiments.benchmark --mode=train_tune \
                   --out="$OUT/train_tune_h200.json" || status=1 ;;
