@@ -109,10 +109,13 @@ flags.DEFINE_multi_string(
 flags.DEFINE_enum(
     "pattern",
     "uniform",
-    list(PATTERNS),
+    [*PATTERNS, "captured"],
     "Activation pattern of the synthetic gates (twell_jax.synthetic.gate_pattern); the"
-    " model modes take uniform or skew.",
+    " model modes take uniform or skew. captured (--mode=train): the FFN inputs and"
+    " weights of --capture_workdir's checkpoint, each timed beside a uniform control.",
 )
+flags.DEFINE_string("capture_workdir", None, "Pretrain workdir of --pattern=captured.")
+flags.DEFINE_list("capture_layers", ["0"], "Layers of --pattern=captured.")
 flags.DEFINE_float(
     "pattern_sigma", 1.0, "sigma of --pattern=skew (thresholds) or heavy_rows (token scales)."
 )
@@ -129,6 +132,12 @@ flags.DEFINE_integer(
     "Back-to-back calls per timed sample in --mode=kernel/tune (steady state, as in a"
     " model's forward: the host's dispatch and sync gap between calls is not counted).",
 )
+
+
+def _default_data_dir() -> str:
+    from twell_jax import input_pipeline  # grain: only the modes that read a corpus
+
+    return input_pipeline.DataConfig.data_dir
 
 
 def _gemm_tflops(m: int, h: int, n: int, n_gemms: int, ms: float) -> float:
@@ -318,6 +327,8 @@ def main(argv):
         "pattern": FLAGS.pattern,
         "pattern_sigma": FLAGS.pattern_sigma,
     }
+    if FLAGS.pattern == "captured" and (FLAGS.mode != "train" or not FLAGS.capture_workdir):
+        raise app.UsageError("--pattern=captured needs --mode=train and --capture_workdir")
     if FLAGS.pattern == "heavy_rows" and FLAGS.mode in ("model", "train_model"):
         raise app.UsageError(
             f"--pattern={FLAGS.pattern} is not implemented for --mode={FLAGS.mode}"
@@ -332,6 +343,17 @@ def main(argv):
         for nnz in FLAGS.sweep_nnz:
             result["sweep"].append(sweep_case(max(tokens), float(nnz), *args))
             print(json.dumps(result["sweep"][-1]), flush=True)
+    elif FLAGS.mode == "train" and FLAGS.pattern == "captured":
+        result["cases"] = benchmark_train.run_captured(
+            FLAGS.capture_workdir,
+            FLAGS.model_data_dir or _default_data_dir(),
+            layers=tuple(int(v) for v in FLAGS.capture_layers),
+            M=FLAGS.train_tokens,
+            reps=FLAGS.reps,
+            config=with_overrides(
+                SparseTrainConfig(), dict(kv.split("=", 1) for kv in FLAGS.train_config)
+            ),
+        )
     elif FLAGS.mode == "train":
         result["cases"] = benchmark_train.run(
             M=FLAGS.train_tokens,
@@ -349,7 +371,6 @@ def main(argv):
         # Imported here: the model benchmark pulls in the data pipeline (grain), which
         # the kernel and training modes do not need.
         from experiments import benchmark_model
-        from twell_jax import input_pipeline
 
         result["cases"] = benchmark_model.run(
             presets=tuple(FLAGS.model_presets),
@@ -364,7 +385,7 @@ def main(argv):
         if FLAGS.model_workdirs:
             result["trained"] = benchmark_model.run_trained(
                 FLAGS.model_workdirs,
-                FLAGS.model_data_dir or input_pipeline.DataConfig.data_dir,
+                FLAGS.model_data_dir or _default_data_dir(),
                 batch=FLAGS.model_batch,
                 reps=FLAGS.reps,
             )

@@ -240,6 +240,56 @@ def tune(
     ]
 
 
+def _steps(config: SparseTrainConfig) -> dict:
+    """The jitted steps one record times: value_and_grad and forward, sparse and dense."""
+    argnums = (0, 1, 2, 3)
+    sparse = functools.partial(_sparse_loss, config=config)
+    return {
+        "dense": jax.jit(jax.value_and_grad(_dense_loss, argnums=argnums)),
+        "sparse": jax.jit(jax.value_and_grad(sparse, argnums=argnums, has_aux=True)),
+        "sparse_fwd": jax.jit(lambda *a: sparse(*a)[0]),
+        "dense_fwd": jax.jit(_dense_loss),
+    }
+
+
+def _measure(args, steps: dict, config: SparseTrainConfig, reps: int, breakdown: bool) -> dict:
+    """One record: statistics, gradient errors, memory and medians of `steps` on args."""
+    sparse, dense = steps["sparse"], steps["dense"]
+    rec = {"sparse_memory": _memory(sparse, args), "dense_memory": _memory(dense, args)}
+    (loss_s, stats), grads_s = sparse(*args)
+    loss_d, grads_d = dense(*args)
+    rec.update(
+        l0=float(stats["l0"]),
+        l1=float(stats["l1"]),
+        max_row_count=int(stats["max_row_count"]),
+        tail_rows=int(stats["tail_rows"]),
+        tail_capacity=int(stats["tail_capacity"]),
+        dense_fallback=int(stats["dense_fallback"]),
+        hot_neurons=int(stats["hot_neurons"]),
+        alive_fraction=float(jnp.mean(stats["fired"])),
+        sparse_loss=float(loss_s),
+        dense_loss=float(loss_d),
+        grad_rel_err={
+            name: float(
+                jnp.linalg.norm((a.astype(jnp.float32) - b.astype(jnp.float32)).ravel())
+                / jnp.linalg.norm(b.astype(jnp.float32).ravel())
+            )
+            for name, a, b in zip(("dx", "dWg", "dWu", "dWd"), grads_s, grads_d, strict=True)
+        },
+    )
+    rec["sparse_ms"] = _median_ms(sparse, args, reps)
+    rec["dense_ms"] = _median_ms(dense, args, reps)
+    rec["speedup"] = rec["dense_ms"] / rec["sparse_ms"]
+    rec["sparse_fwd_ms"] = _median_ms(steps["sparse_fwd"], args, reps)
+    rec["dense_fwd_ms"] = _median_ms(steps["dense_fwd"], args, reps)
+    if breakdown:
+        parts = _breakdown(*args, config=config, samples=max(reps // 2, 3))
+        rec["breakdown_ms"] = parts
+        # The rest of the step is XLA glue, conditionals and launch gaps.
+        rec["breakdown_sum_ms"] = sum(parts.values())
+    return rec
+
+
 def run(
     M: int = 16384,
     H: int = 2048,
@@ -264,55 +314,66 @@ def run(
         pattern, sigma: activation pattern of the synthetic gates (`gate_pattern`).
     """
     config = config or SparseTrainConfig()
-    argnums = (0, 1, 2, 3)
-    dense = jax.jit(jax.value_and_grad(_dense_loss, argnums=argnums))
-    sparse = jax.jit(
-        jax.value_and_grad(
-            functools.partial(_sparse_loss, config=config), argnums=argnums, has_aux=True
-        )
-    )
-    sparse_fwd = jax.jit(lambda *a: _sparse_loss(*a, config=config)[0])
-    dense_fwd = jax.jit(_dense_loss)
+    steps = _steps(config)
     records = []
     for i, nnz in enumerate(nnz_targets):
         args = synthetic_inputs(i, M, H, N, nnz, heavy_rows, pattern, sigma)
         rec = {"M": M, "H": H, "N": N, "nnz_target": nnz, "heavy_rows": heavy_rows}
         rec.update(pattern=pattern, sigma=sigma)
-        rec["sparse_memory"] = _memory(sparse, args)
-        rec["dense_memory"] = _memory(dense, args)
-        (loss_s, stats), grads_s = sparse(*args)
-        loss_d, grads_d = dense(*args)
-        rec.update(
-            l0=float(stats["l0"]),
-            l1=float(stats["l1"]),
-            max_row_count=int(stats["max_row_count"]),
-            tail_rows=int(stats["tail_rows"]),
-            tail_capacity=int(stats["tail_capacity"]),
-            dense_fallback=int(stats["dense_fallback"]),
-            hot_neurons=int(stats["hot_neurons"]),
-            alive_fraction=float(jnp.mean(stats["fired"])),
-            sparse_loss=float(loss_s),
-            dense_loss=float(loss_d),
-            grad_rel_err={
-                name: float(
-                    jnp.linalg.norm((a.astype(jnp.float32) - b.astype(jnp.float32)).ravel())
-                    / jnp.linalg.norm(b.astype(jnp.float32).ravel())
-                )
-                for name, a, b in zip(("dx", "dWg", "dWu", "dWd"), grads_s, grads_d, strict=True)
-            },
-        )
-        rec["sparse_ms"] = _median_ms(sparse, args, reps)
-        rec["dense_ms"] = _median_ms(dense, args, reps)
-        rec["speedup"] = rec["dense_ms"] / rec["sparse_ms"]
-        rec["sparse_fwd_ms"] = _median_ms(sparse_fwd, args, reps)
-        rec["dense_fwd_ms"] = _median_ms(dense_fwd, args, reps)
-        if breakdown:
-            parts = _breakdown(*args, config=config, samples=max(reps // 2, 3))
-            rec["breakdown_ms"] = parts
-            # The rest of the step is XLA glue, conditionals and launch gaps.
-            rec["breakdown_sum_ms"] = sum(parts.values())
+        rec.update(_measure(args, steps, config, reps, breakdown))
         records.append(rec)
-        del args, grads_s, grads_d
+        del args
+    return records
+
+
+def run_captured(
+    workdir: str,
+    data_dir: str,
+    layers=(0,),
+    M: int = 16384,
+    reps: int = 20,
+    config: SparseTrainConfig | None = None,
+) -> list[dict]:
+    """The op on the FFN inputs and weights of a trained checkpoint, with a control.
+
+    For each layer of `layers`: x = that layer's FFN input on the first M validation
+    tokens of `data_dir`, the checkpoint's bf16 weights and a random upstream
+    gradient; then the same shapes with uniform synthetic gates at the measured l0
+    (pattern "uniform"). `vs_uniform` is the captured sparse time over the control's.
+    """
+    from flax import nnx
+
+    from experiments.benchmark_model import trained_params  # grain: only for this mode
+    from twell_jax import input_pipeline, neuron_profile, train
+
+    config = config or SparseTrainConfig()
+    steps = _steps(config)
+    cfg, params, step = trained_params(workdir)
+    seq = cfg.model.seq_len
+    data_cfg = input_pipeline.DataConfig(
+        data_dir, seq_len=seq, batch_size=-(-M // seq), seed=cfg.seed
+    )
+    tokens = jnp.asarray(next(input_pipeline.make_val_iterator(data_cfg, 1))["inputs"])
+    if tokens.size < M:
+        raise ValueError(f"{data_dir}: {tokens.size} validation tokens, fewer than M={M}")
+    model = nnx.merge(train.model_graphdef(cfg.model), params)
+    ffn_in = model.ffn_inputs(tokens)[:, :M].astype(jnp.bfloat16)
+    ffn = params["blocks"]["ffn"]
+    records = []
+    for layer in layers:
+        w = tuple(ffn[k][layer].astype(jnp.bfloat16) for k in ("w_gate", "w_up", "w_down"))
+        x = ffn_in[layer]
+        g = jax.random.normal(jax.random.key(layer), x.shape, jnp.bfloat16)
+        counts = neuron_profile.gate_positives(x[None], w[0][None])
+        shape = neuron_profile.profile(*counts)[0]
+        rec = {"workdir": workdir, "step": step, "layer": layer, "M": M}
+        rec.update(H=x.shape[1], N=w[0].shape[0], pattern="captured", profile=shape)
+        rec.update(_measure((x, *w, g), steps, config, reps, breakdown=False))
+        control = synthetic_inputs(layer, M, x.shape[1], w[0].shape[0], max(rec["l0"], 0.5))
+        rec["uniform_control"] = _measure(control, steps, config, reps, breakdown=False)
+        rec["vs_uniform"] = rec["sparse_ms"] / rec["uniform_control"]["sparse_ms"]
+        records.append(rec)
+        print(json.dumps({k: v for k, v in rec.items() if not isinstance(v, dict)}), flush=True)
     return records
 
 

@@ -273,10 +273,18 @@ class Block(nnx.Module):
         self, x: jax.Array, cos: jax.Array, sin: jax.Array, use_sparse: jax.Array
     ) -> tuple[jax.Array, Stats]:
         """x: [B, S, H] compute dtype -> ([B, S, H], this layer's FFN stats)."""
+        x, ffn_in = self.ffn_input(x, cos, sin)
+        out, stats = self.ffn(ffn_in, use_sparse)
+        return x + out.reshape(x.shape), stats
+
+    def ffn_input(
+        self, x: jax.Array, cos: jax.Array, sin: jax.Array
+    ) -> tuple[jax.Array, jax.Array]:
+        """x: [B, S, H] -> (x after the attention residual [B, S, H], the FFN input
+        [B * S, H]: that residual stream normalised)."""
         x = x + self.attn(self.attn_norm(x), cos, sin)
         b, s, h = x.shape
-        out, stats = self.ffn(self.ffn_norm(x).reshape(b * s, h), use_sparse)
-        return x + out.reshape(b, s, h), stats
+        return x, self.ffn_norm(x).reshape(b * s, h)
 
 
 def _remat_policy(cfg: ModelConfig) -> Callable | None:
@@ -336,6 +344,27 @@ class Transformer(nnx.Module):
             layer = jax.checkpoint(layer, prevent_cse=False, policy=_remat_policy(cfg))
         x, stats = jax.lax.scan(layer, x, (layers, use_sparse))
         return self.final_norm(x), stats
+
+    def ffn_inputs(self, tokens: jax.Array) -> jax.Array:
+        """Every layer's FFN input: [L, B * S, H] compute dtype.
+
+        What the FFN kernels of a trained model see (the benchmarks' captured pattern
+        and the neuron profile read it). The sparse training path is switched off; the
+        other FFN implementations run as configured.
+        """
+        cfg = self.cfg
+        x = jnp.take(self.embed[...], tokens, axis=0).astype(cfg.compute_dtype)
+        cos, sin = rope_tables(tokens.shape[1], cfg.head_dim, cfg.rope_theta)
+        graphdef, layers = nnx.split(self.blocks)
+        off = jnp.zeros((), bool)
+
+        def layer(x, block_state):
+            block = nnx.merge(graphdef, block_state)
+            x, ffn_in = block.ffn_input(x, cos, sin)
+            out, _ = block.ffn(ffn_in, off)
+            return x + out.reshape(x.shape), ffn_in
+
+        return jax.lax.scan(layer, x, layers)[1]
 
     def body(self, tokens: jax.Array, use_sparse: jax.Array | None = None) -> jax.Array:
         """`hidden_states` without the statistics (what the throughput benchmarks time,
