@@ -3,8 +3,37 @@ r"""Pre-trains a TwELL transformer LM: `python -m experiments.pretrain --flagfil
 A run is a preset (`twell_jax.config.train_preset`) plus the flags below, which
 override single fields; `--set=section.field=value` reaches any other field. The
 resolved config is logged first. Training resumes from `<workdir>/checkpoints` when
-it holds a checkpoint (the saved config must match, except step counts, cadences and
-the mesh); Ctrl-C saves a checkpoint and exits. Examples:
+it holds a checkpoint (the saved config must match, except cadences and the mesh; a
+different --steps needs --allow_schedule_change, see below); Ctrl-C saves a checkpoint
+and exits. Every check runs before the run writes anything: a refused resume leaves
+the workdir (config.json included) as it was.
+
+Resuming with another --steps: the LR schedule (warmup, then cosine to 0 at
+optim.total_steps) is a function of the step and the total, so with
+--allow_schedule_change the run continues from the checkpoint's step on the new
+schedule: the warmup is unchanged and the cosine is stretched (or shortened) to end at
+the new --steps, so the LR jumps to the new curve's value at the resumed step. A
+--steps below the checkpoint's step is always an error.
+
+A run holds `<workdir>/run.lock` (host and pid) while it runs; a second run on the same
+workdir is refused naming the holder, and the lock of a dead process on this host is
+taken over with a warning.
+
+Divergence guard: every step's loss and gradient norm must be finite (checked at each
+log, eval and save), and the train state before each save. A non-finite value stops
+the run before it saves anything more, logs the step and the metric, and keeps the
+checkpoints on disk (the last good ones).
+
+Exit codes:
+  0    done (--steps or --stop_at reached, or nothing left to do)
+  1    an unexpected error (traceback)
+  2    refused: the workdir is locked by another run, or the resume would change the
+       schedule (--steps) without --allow_schedule_change, or go below the checkpoint
+  3    diverged: a non-finite loss, gradient norm or state; nothing saved after it
+  130  interrupted by SIGINT (Ctrl-C) after saving a checkpoint; 143 for SIGTERM
+       (128 + the signal number). Re-running the same command resumes.
+
+Examples:
 
   python -m experiments.pretrain --flagfile=experiments/configs/tiny.flags
   python -m experiments.pretrain --preset=tiny --steps=50 --workdir=/tmp/run \
@@ -22,6 +51,7 @@ from __future__ import annotations
 
 import json
 import logging as py_logging
+import signal
 from typing import Any
 
 import jax
@@ -47,6 +77,15 @@ _STOP_AT = flags.DEFINE_integer(
     "stop_at", 0, "If > 0, save and exit after this step; the schedule still runs to --steps."
 )
 _MAX_TO_KEEP = flags.DEFINE_integer("max_to_keep", 3, "Checkpoints kept (0: all).")
+_ALLOW_SCHEDULE_CHANGE = flags.DEFINE_bool(
+    "allow_schedule_change",
+    False,
+    "On resume, accept a --steps unlike the checkpoint's: the cosine LR schedule is "
+    "recomputed for the new total from the checkpoint's step on.",
+)
+
+EXIT_REFUSED = 2
+EXIT_DIVERGED = 3
 _DISTRIBUTED = flags.DEFINE_bool(
     "distributed",
     False,
@@ -168,13 +207,24 @@ def main(argv):
         max_to_keep=_MAX_TO_KEEP.value or None,
         resume=_RESUME.value,
         stop_at=_STOP_AT.value,
+        allow_schedule_change=_ALLOW_SCHEDULE_CHANGE.value,
         plot_title=(
             f"{_PRESET.value}: {cfg.model.ffn_variant}/{cfg.model.ffn_impl}, "
             f"L1 {sp.l1_coef:g} (warmup {sp.l1_warmup_steps})"
         ),
     )
-    summary = trainer.run(cfg, opts)
+    try:
+        summary = trainer.run(cfg, opts)
+    except (trainer.WorkdirLockedError, trainer.ScheduleChangeError) as e:
+        logging.error("refused: %s", e)
+        return EXIT_REFUSED
+    except trainer.DivergenceError as e:
+        logging.error("diverged: %s", e)
+        return EXIT_DIVERGED
     logging.info("summary: %s", json.dumps(summary))
+    if summary["interrupted"]:
+        return 128 + signal.Signals[summary["signal"]].value
+    return 0
 
 
 if __name__ == "__main__":

@@ -117,6 +117,19 @@ class Checkpointer:
         """Returns the completed steps, oldest first."""
         return sorted(self._manager.all_steps())
 
+    def saved_config(self, step: int) -> dict[str, Any]:
+        """The config dict saved with `step` (without reading the state).
+
+        Raises:
+          CheckpointCorruptError: the step's config item is unreadable.
+        """
+        try:
+            return self._manager.restore(
+                step, args=ocp.args.Composite(config=ocp.args.JsonRestore())
+            ).config
+        except Exception as e:  # Orbax/tensorstore raise many types for broken files
+            raise _corrupt(step, self.directory / str(step), "config", e) from e
+
     def restore(
         self,
         abstract_state: Any,
@@ -197,12 +210,7 @@ class Checkpointer:
     ) -> Restored:
         """Restores one step; unreadable files become CheckpointCorruptError."""
         path = self.directory / str(step)
-        try:
-            saved_config = self._manager.restore(
-                step, args=ocp.args.Composite(config=ocp.args.JsonRestore())
-            ).config
-        except Exception as e:  # Orbax/tensorstore raise many types for broken files
-            raise _corrupt(step, path, "config", e) from e
+        saved_config = self.saved_config(step)
         if config is not None:
             check_config(saved_config, config, ignore_keys, where=f"checkpoint step {step}")
         try:

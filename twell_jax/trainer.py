@@ -2,16 +2,26 @@
 
 `run(cfg, opts)` does everything after the config is resolved:
 
-1. reads the prepared corpus (`twell_jax.corpus`, `twell_jax.input_pipeline`), builds the
+1. takes the workdir lock (`WorkdirLock`: `<workdir>/run.lock`, holding host and pid;
+   a second run on the same workdir is refused with `WorkdirLockedError`);
+2. reads the prepared corpus (`twell_jax.corpus`, `twell_jax.input_pipeline`), builds the
    mesh, the train state and the data iterator;
-2. restores the newest checkpoint of `<workdir>/checkpoints` if there is one (train
-   state, data-iterator position; a different saved config is a `ValueError`);
-3. trains to `cfg.optim.total_steps` (or `opts.stop_at`), logging a progress line and
+3. restores the newest checkpoint of `<workdir>/checkpoints` if there is one (train
+   state, data-iterator position; a different saved config is a `ValueError`, a
+   different `optim.total_steps` a `ScheduleChangeError` unless
+   `opts.allow_schedule_change`). Every check runs before anything is written:
+   `config.json` and `metrics.jsonl` are only (re)written once the resume is accepted;
+4. trains to `cfg.optim.total_steps` (or `opts.stop_at`), logging a progress line and
    a `metrics.jsonl` record every `log_every` steps, evaluating the val CE every
    `eval_every` steps (and re-plotting `metrics.png`), and saving asynchronous
    checkpoints every `checkpoint_every` steps and at the end;
-4. on SIGINT / SIGTERM finishes the current step, saves a checkpoint and returns, so
-   that re-running the same command resumes. A second Ctrl-C aborts without saving.
+5. checks that the loss and gradient norm of every step are finite (at each log,
+   eval and save, so the loop is not synchronised every step) and that the state is
+   finite before each save: a non-finite value raises `DivergenceError` without
+   saving, so the checkpoints on disk are the last good ones;
+6. on SIGINT / SIGTERM finishes the current step, saves a checkpoint and returns
+   (`summary["interrupted"]`, `summary["signal"]`), so that re-running the same
+   command resumes. A second Ctrl-C aborts without saving.
 
 Every process runs the same loop (multi-host: each reads its share of the batch and
 `jax.make_array_from_process_local_data` assembles the global batch); only process 0
@@ -22,12 +32,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import signal
+import socket
 import time
 from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import logging
 from jax.experimental import multihost_utils
@@ -37,6 +50,9 @@ from twell_jax.config import TrainConfig, config_to_dict
 
 CHECKPOINT_DIR = "checkpoints"
 CONFIG_FILE = "config.json"
+LOCK_FILE = "run.lock"
+# Per-step scalars that must stay finite (the divergence guard).
+FINITE_METRICS = ("loss", "grad_norm")
 # Config keys that may change between a checkpoint and its resumption, on top of the
 # checkpointer's defaults (step counts, cadences): restore reshards onto any mesh, and
 # neither remat nor the inference-only TwELL compression changes the training numbers.
@@ -55,6 +71,11 @@ class RunOptions:
       stop_at: if > 0, save and return after this step even though the schedule runs to
         `total_steps` (time-sliced jobs).
       plot_title: title of metrics.png.
+      allow_schedule_change: on resume, accept an `optim.total_steps` unlike the
+        checkpoint's. The LR schedule is a function of the step and total_steps, so the
+        run continues on the new schedule from the checkpoint's step: the warmup is
+        unchanged and the cosine is stretched (or shortened) to end at the new total,
+        which moves the LR at the resumed step to the new curve's value there.
     """
 
     workdir: str
@@ -63,6 +84,131 @@ class RunOptions:
     resume: bool = True
     stop_at: int = 0
     plot_title: str = ""
+    allow_schedule_change: bool = False
+
+
+class DivergenceError(RuntimeError):
+    """A step's loss, gradient norm or the train state is not finite; nothing was saved.
+
+    Attributes:
+      step: the first step found non-finite.
+      metric: which value: "loss", "grad_norm" or "state".
+      last_checkpoint: the newest checkpoint step on disk (the last good one), or None.
+    """
+
+    def __init__(self, step: int, metric: str, value: float, last_checkpoint: int | None):
+        kept = "none" if last_checkpoint is None else f"step {last_checkpoint}"
+        super().__init__(
+            f"non-finite {metric} ({value}) at step {step}: stopped without saving; "
+            f"last good checkpoint: {kept}"
+        )
+        self.step, self.metric, self.last_checkpoint = step, metric, last_checkpoint
+
+
+class ScheduleChangeError(ValueError):
+    """A resume that would change the schedule's length, or go back before the checkpoint."""
+
+
+class WorkdirLockedError(RuntimeError):
+    """Another live run holds the workdir lock; the message names its host and pid."""
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+class WorkdirLock:
+    """`<workdir>/run.lock` for the life of a run: one run per workdir.
+
+    The file is created atomically (O_CREAT | O_EXCL) and holds {"host", "pid", "time"}.
+    An existing lock from another live process (or another host, whose processes this
+    one cannot see) raises `WorkdirLockedError` naming the holder; a lock left by a dead
+    process of this host is taken over with a warning. The lock is removed on exit
+    (normal, exception, KeyboardInterrupt) if it is still ours; a SIGKILL leaves a stale
+    lock, which the next run on the same host takes over.
+    """
+
+    def __init__(self, workdir: str | os.PathLike):
+        self.path = Path(workdir) / LOCK_FILE
+        self.owner = {"host": socket.gethostname(), "pid": os.getpid()}
+        self.held = False
+
+    def _create(self) -> bool:
+        try:
+            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w") as f:
+            json.dump({**self.owner, "time": time.time()}, f)
+        return True
+
+    def _holder(self) -> dict[str, Any] | None:
+        try:
+            return json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError):
+            return {}
+
+    def acquire(self) -> WorkdirLock:
+        """Takes the lock.
+
+        Raises:
+          WorkdirLockedError: another live run (or an unreadable lock file) holds it.
+        """
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        for _ in range(3):
+            if self._create():
+                self.held = True
+                return self
+            holder = self._holder()
+            if holder is None:  # released between our create and read: try again
+                continue
+            host, pid = holder.get("host"), holder.get("pid")
+            if not isinstance(pid, int) or not host:
+                raise WorkdirLockedError(
+                    f"{self.path} exists but names no holder ({self.path.read_text()!r}): "
+                    "if no run uses this workdir, delete it"
+                )
+            if host == self.owner["host"] and not _pid_alive(pid):
+                logging.warning(
+                    "taking over the stale lock %s of pid %d on %s (not running)",
+                    self.path,
+                    pid,
+                    host,
+                )
+                self.path.unlink(missing_ok=True)
+                continue
+            remote = "" if host == self.owner["host"] else "; if that run is gone, delete the lock"
+            raise WorkdirLockedError(
+                f"workdir {self.path.parent} is in use by pid {pid} on host {host} "
+                f"(lock {self.path}); wait for it to finish, stop it, or use another "
+                f"--workdir{remote}"
+            )
+        raise WorkdirLockedError(f"could not take {self.path}: it keeps changing hands")
+
+    def release(self) -> None:
+        """Removes the lock file if it is still ours."""
+        if not self.held:
+            return
+        self.held = False
+        holder = self._holder()
+        if holder and all(holder.get(k) == v for k, v in self.owner.items()):
+            self.path.unlink(missing_ok=True)
+        else:
+            logging.warning("%s is no longer ours (%s); left in place", self.path, holder)
+
+    def __enter__(self) -> WorkdirLock:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
 
 class _StopRequest:
@@ -76,6 +222,7 @@ class _StopRequest:
 
     def __init__(self):
         self.requested = False
+        self.signal: str | None = None
         self._previous = {}
 
     def __enter__(self) -> _StopRequest:
@@ -93,6 +240,7 @@ class _StopRequest:
             signal.Signals(signum).name,
         )
         self.requested = True
+        self.signal = signal.Signals(signum).name
         self._restore()
 
     def _restore(self):
@@ -148,8 +296,29 @@ class _Evaluator:
         return float(np.mean(jax.device_get(ces)))
 
 
+def _check_schedule(saved_total: int, cfg: TrainConfig, step: int, opts: RunOptions) -> None:
+    """Refuses a resume that changes `optim.total_steps` (unless allowed) or goes back."""
+    total = cfg.optim.total_steps
+    if total < step:
+        raise ScheduleChangeError(
+            f"--steps={total} is below the checkpoint's step {step}: the run is already past "
+            "it (use a fresh workdir for a shorter run)"
+        )
+    if total != saved_total and not opts.allow_schedule_change:
+        raise ScheduleChangeError(
+            f"optim.total_steps={total} differs from the checkpoint's {saved_total} (step "
+            f"{step}): the LR schedule ends at total_steps, so this changes the LR from step "
+            f"{step} on; pass --allow_schedule_change to continue on the new schedule, or "
+            f"--steps={saved_total}"
+        )
+
+
 def _restore_or_init(cfg, mesh, ckpt, train_iter, opts) -> train.TrainState:
-    """The newest checkpoint's state (and data position) if resuming, else a fresh state."""
+    """The newest checkpoint's state (and data position) if resuming, else a fresh state.
+
+    Only reads (and, like `Checkpointer.restore`, moves unreadable steps aside): every
+    refusal happens here, before the run writes anything.
+    """
     latest = ckpt.latest_step()
     if latest is not None and not opts.resume:
         raise ValueError(
@@ -164,9 +333,28 @@ def _restore_or_init(cfg, mesh, ckpt, train_iter, opts) -> train.TrainState:
         config=config_to_dict(cfg),
         ignore_keys=RESUME_IGNORE_KEYS,
     )
+    saved = ckpt.saved_config(restored.step)
+    _check_schedule(saved["optim"]["total_steps"], cfg, restored.step, opts)
+    if saved["optim"]["total_steps"] != cfg.optim.total_steps:
+        logging.warning(
+            "schedule changed on resume: total_steps %d -> %d from step %d",
+            saved["optim"]["total_steps"],
+            cfg.optim.total_steps,
+            restored.step,
+        )
     train_iter.set_state(restored.data_state)
     logging.info("resumed from checkpoint step %d in %s", restored.step, ckpt.directory)
     return restored.state
+
+
+def _all_finite(tree) -> jax.Array:
+    """Whether every floating-point leaf of `tree` is finite (one scalar)."""
+    leaves = [
+        jnp.all(jnp.isfinite(x))
+        for x in jax.tree.leaves(tree)
+        if jnp.issubdtype(x.dtype, jnp.inexact)
+    ]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
 
 
 def run(cfg: TrainConfig, opts: RunOptions) -> dict[str, Any]:
@@ -180,21 +368,35 @@ def run(cfg: TrainConfig, opts: RunOptions) -> dict[str, Any]:
       opts: run directory, data directory, checkpoint retention, resume switch.
 
     Returns:
-      Summary dict: `step` reached, `interrupted`, and the last train record's `ce`,
-      `l0_mean`, `sparsity_mean`, `alive_mean` and the last `val_ce` when they exist.
+      Summary dict: `step` reached, `interrupted` (and then `signal`, e.g. "SIGINT"),
+      and the last train record's `ce`, `l0_mean`, `sparsity_mean`, `alive_mean` and
+      the last `val_ce` when they exist.
 
     Raises:
       ValueError: the corpus's vocabulary does not fit the model, the saved config
         differs from `cfg`, or checkpoints exist while `opts.resume` is off.
+      ScheduleChangeError: (a ValueError) resuming with another `optim.total_steps`
+        without `opts.allow_schedule_change`, or with one below the checkpoint's step.
+      WorkdirLockedError: another run holds the workdir.
+      DivergenceError: a non-finite loss, gradient norm or state; nothing was saved
+        after the last good step.
       FileNotFoundError: `opts.data_dir` is not a prepared corpus.
     """
     with _StopRequest() as stop:
         logging.info("run %s: Ctrl-C / SIGTERM saves a checkpoint and exits", opts.workdir)
-        trainer = _Trainer(cfg, opts)
+        # Process 0 locks the (shared) workdir; the others follow its lead.
+        lock = WorkdirLock(opts.workdir) if jax.process_index() == 0 else None
+        if lock:
+            lock.acquire()
         try:
-            return trainer.train(stop)
+            trainer = _Trainer(cfg, opts)
+            try:
+                return trainer.train(stop)
+            finally:
+                trainer.close()
         finally:
-            trainer.close()
+            if lock:
+                lock.release()
 
 
 class _Trainer:
@@ -207,10 +409,6 @@ class _Trainer:
         meta = corpus.load_meta(opts.data_dir)
         _check_vocab(cfg, meta, opts.data_dir)
         logging.info("data %s: %s", opts.data_dir, corpus.summary(meta))
-        if self.lead:
-            self.workdir.mkdir(parents=True, exist_ok=True)
-            config_json = json.dumps(config_to_dict(cfg), indent=2) + "\n"
-            (self.workdir / CONFIG_FILE).write_text(config_json)
 
         mesh = sharding.make_mesh(*cfg.mesh_shape)
         logging.info(
@@ -221,6 +419,10 @@ class _Trainer:
             jax.process_count(),
         )
         self.placement = sharding.batch_sharding(mesh)
+        self.state_finite = jax.jit(
+            _all_finite,
+            out_shardings=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()),
+        )
         data_cfg = input_pipeline.DataConfig(
             opts.data_dir, seq_len=cfg.model.seq_len, batch_size=cfg.batch_size, seed=cfg.seed
         )
@@ -234,6 +436,10 @@ class _Trainer:
         except BaseException:
             self.ckpt.close()  # `run` never gets a trainer to close
             raise
+        # The resume is accepted: only now write into the workdir.
+        if self.lead:
+            config_json = json.dumps(config_to_dict(cfg), indent=2) + "\n"
+            (self.workdir / CONFIG_FILE).write_text(config_json)
         self.step = int(self.state.step)
         self.saved_step = self.step if self.ckpt.latest_step() == self.step else None
         self.plotted_step = None
@@ -242,6 +448,8 @@ class _Trainer:
         self.train_step = train.make_train_step(cfg, mesh)
         self.evaluate = _Evaluator(cfg, data_cfg, mesh, self.placement)
         self.summary: dict[str, Any] = {"step": self.step, "interrupted": False}
+        # (step, its metrics) not yet checked for finite loss / grad norm.
+        self.unchecked: list[tuple[int, dict[str, jax.Array]]] = []
 
     def train(self, stop: _StopRequest) -> dict[str, Any]:
         """Runs the loop to the end, `stop_at` or a stop request; saves; returns the summary."""
@@ -253,6 +461,7 @@ class _Trainer:
             self.state, step_metrics = self.train_step(self.state, batch)
             self.step += 1
             pending.append(step_metrics)
+            self.unchecked.append((self.step, {k: step_metrics[k] for k in FINITE_METRICS}))
             if not compiled:
                 # The first step compiles; time it apart so that tokens/s is throughput.
                 jax.block_until_ready(step_metrics)
@@ -271,6 +480,7 @@ class _Trainer:
                 # Dispatch is asynchronous: wait for the device before reading the clock.
                 jax.block_until_ready(pending[-1])
                 elapsed = time.perf_counter() - interval_start
+                self._check_finite()
                 self._log(
                     pending,
                     interval_steps * cfg.tokens_per_step / elapsed if interval_steps else None,
@@ -291,6 +501,7 @@ class _Trainer:
             if (jax.process_count() == 1 or log_now) and stop.agreed():
                 logging.warning("stopped at step %d on request", self.step)
                 self.summary["interrupted"] = True
+                self.summary["signal"] = stop.signal or "SIGINT"
                 break
         self._save()
         self.ckpt.wait()
@@ -310,7 +521,28 @@ class _Trainer:
             {k: record[k] for k in ("ce", "l0_mean", "sparsity_mean", "alive_mean")}
         )
 
+    def _check_finite(self, state: bool = False) -> None:
+        """Raises DivergenceError for the first unchecked step with a non-finite metric.
+
+        Args:
+          state: also check every floating-point leaf of the train state (before saves).
+        """
+        unchecked, self.unchecked = self.unchecked, []
+        for step, values in jax.device_get(unchecked):
+            for name in FINITE_METRICS:
+                if not np.isfinite(values[name]):
+                    self._diverged(step, name, float(values[name]))
+        if state and not bool(self.state_finite(self.state)):
+            self._diverged(self.step, "state", float("nan"))
+
+    def _diverged(self, step: int, metric: str, value: float) -> None:
+        self.ckpt.wait()  # earlier saves complete: the last good checkpoints
+        err = DivergenceError(step, metric, value, self.ckpt.latest_step())
+        logging.error("%s", err)
+        raise err
+
     def _eval(self) -> None:
+        self._check_finite()
         t0 = time.perf_counter()
         val_ce = self.evaluate(self.state.params)
         logging.info(
@@ -328,6 +560,7 @@ class _Trainer:
     def _save(self) -> None:
         """Starts an async checkpoint of the current step unless it is already saved."""
         if self.saved_step != self.step:
+            self._check_finite(state=True)
             self.ckpt.save(
                 self.step, self.state, self.train_iter.get_state(), config_to_dict(self.cfg)
             )

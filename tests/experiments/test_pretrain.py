@@ -170,7 +170,18 @@ def test_more_steps_resume(tmp_path, straight, data_dir, cache_dir):
     first = train_ce(workdir)
     # More steps: continues from step 6 rather than restarting at 1. The inference-only
     # TwELL compression may change on resume; it does not change training.
-    out = run_cli(workdir, data_dir, cache_dir, "--steps=9", "--set=model.twell_compression=8")
+    # Another --steps changes the LR schedule: refused (exit 2) unless asked for.
+    proc = run_cli(workdir, data_dir, cache_dir, "--steps=9", check=False)
+    assert proc.returncode == 2 and "--allow_schedule_change" in proc.stderr
+    assert sorted(train_ce(workdir)) == list(range(1, 7))
+    out = run_cli(
+        workdir,
+        data_dir,
+        cache_dir,
+        "--steps=9",
+        "--allow_schedule_change",
+        "--set=model.twell_compression=8",
+    )
     assert "resumed from checkpoint step 6" in out
     ce = train_ce(workdir)
     assert sorted(ce) == list(range(1, 10))
@@ -180,6 +191,11 @@ def test_more_steps_resume(tmp_path, straight, data_dir, cache_dir):
     # A different learning rate is not the same run: refused, naming the field.
     proc = run_cli(workdir, data_dir, cache_dir, "--steps=12", "--lr=5e-4", check=False)
     assert proc.returncode != 0 and "optim.lr" in proc.stderr
+    # Fewer steps than the checkpoint's is an error, not "done".
+    proc = run_cli(
+        workdir, data_dir, cache_dir, "--steps=3", "--allow_schedule_change", check=False
+    )
+    assert proc.returncode == 2 and "below the checkpoint's step 9" in proc.stderr
 
 
 @pytest.mark.slow
@@ -214,11 +230,33 @@ def test_sigint_saves_and_exits(tmp_path, data_dir, cache_dir):
         _, rest = proc.communicate(timeout=300)
     finally:
         proc.kill()
-    assert proc.returncode == 0, rest[-4000:]
+    assert proc.returncode == 128 + signal.SIGINT, rest[-4000:]
     assert "stopped at step" in rest
     steps = checkpoint_steps(workdir)
     assert len(steps) == 1 and 1 <= steps[0] < 6
     assert max(train_ce(workdir)) == steps[0]
+
+
+@pytest.mark.slow
+def test_divergence_exits_3_and_keeps_the_good_checkpoints(tmp_path, data_dir, cache_dir):
+    workdir = tmp_path / "run"
+    proc = run_cli(
+        workdir,
+        data_dir,
+        cache_dir,
+        "--steps=20",
+        "--lr=1e30",
+        "--clip_norm=1e30",
+        "--checkpoint_every=1",
+        "--max_to_keep=0",
+        check=False,
+    )
+    assert proc.returncode == 3, proc.stderr[-4000:]
+    assert "diverged: non-finite" in proc.stderr
+    bad = int(proc.stderr.split("non-finite ")[1].split(" at step ")[1].split(":")[0])
+    steps = checkpoint_steps(workdir)
+    assert steps and max(steps) < bad
+    assert not (workdir / "run.lock").exists()
 
 
 FLAGFILES = sorted(p.stem for p in (REPO / "experiments" / "configs").glob("*.flags"))

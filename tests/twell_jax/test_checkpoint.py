@@ -136,3 +136,12 @@ def test_no_checkpoint_is_a_clear_error(tmp_path):
         assert ckpt.latest_step() is None
         with pytest.raises(FileNotFoundError, match="no checkpoint"):
             ckpt.restore(_abstract(_state(0)))
+
+
+def test_saved_config_reads_only_the_config(tmp_path):
+    with _saved(tmp_path, [1, 2]) as ckpt:
+        (tmp_path / "ckpt" / "2" / "state" / "_METADATA").write_text("{garbled")
+        assert ckpt.saved_config(2) == CONFIG
+        shutil.rmtree(tmp_path / "ckpt" / "1" / "config")
+        with pytest.raises(checkpoint.CheckpointCorruptError, match=r"step 1 .* unreadable"):
+            ckpt.saved_config(1)

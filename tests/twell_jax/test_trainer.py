@@ -1,0 +1,176 @@
+"""The training loop's guards: workdir lock, divergence, checks before writes, schedule.
+
+In-process `trainer.run` calls on a one-layer model (seq 16, batch 2) over the small
+prepared corpus of conftest; the end-to-end CLI runs are in tests/experiments.
+"""
+
+import dataclasses
+import json
+import shutil
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from tests.corpora import write_text_corpus
+from twell_jax import checkpoint, corpus, tokenizer, trainer
+from twell_jax import config as C
+
+
+def tiny_config(steps: int = 2, lr: float = 3e-3, **fields) -> C.TrainConfig:
+    model = C.model_preset(
+        "tiny", vocab_size=264, d_model=32, d_ff=64, n_layers=1, n_heads=2, seq_len=16
+    )
+    loop = {"log_every": 1, "eval_every": 1000, "eval_batches": 1, "checkpoint_every": 1000}
+    return C.TrainConfig(
+        model=model,
+        batch_size=2,
+        optim=C.OptimConfig(lr=lr, warmup_steps=0, total_steps=steps),
+        sparsity=C.SparsityConfig(l1_warmup_steps=1),
+        **{**loop, **fields},
+    )
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("corpus")
+    paths, _ = write_text_corpus(root)
+    out = root / "prepared"
+    corpus.prepare_corpus(
+        corpus.file_documents(paths),
+        out,
+        tokenizer.ByteTokenizer(),
+        source="test",
+        val_fraction=0.25,
+        shard_tokens=1000,
+    )
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory, data_dir):
+    """A workdir whose run finished 2 steps (checkpoint at step 2)."""
+    workdir = tmp_path_factory.mktemp("finished") / "run"
+    summary = trainer.run(tiny_config(), trainer.RunOptions(str(workdir), data_dir))
+    assert summary["step"] == 2 and not summary["interrupted"]
+    return workdir
+
+
+def _copy(src, tmp_path):
+    dst = tmp_path / "run"
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+# --- workdir lock -------------------------------------------------------------------
+
+
+def test_lock_is_exclusive_names_the_holder_and_is_released(tmp_path):
+    with trainer.WorkdirLock(tmp_path / "w") as lock:
+        holder = json.loads(lock.path.read_text())
+        assert holder["host"] == socket.gethostname() and holder["pid"] == lock.owner["pid"]
+        with pytest.raises(trainer.WorkdirLockedError, match=f"pid {holder['pid']} on host"):
+            trainer.WorkdirLock(tmp_path / "w").acquire()
+    assert not (tmp_path / "w" / trainer.LOCK_FILE).exists()
+
+
+def test_stale_lock_of_this_host_is_taken_over(tmp_path):
+    path = tmp_path / trainer.LOCK_FILE
+    path.write_text(json.dumps({"host": socket.gethostname(), "pid": _dead_pid()}))
+    with trainer.WorkdirLock(tmp_path) as lock:
+        assert json.loads(path.read_text())["pid"] == lock.owner["pid"]
+    assert not path.exists()
+
+
+def test_lock_of_another_host_or_unreadable_is_refused(tmp_path):
+    path = tmp_path / trainer.LOCK_FILE
+    path.write_text(json.dumps({"host": "elsewhere", "pid": _dead_pid()}))
+    with pytest.raises(trainer.WorkdirLockedError, match=r"on host elsewhere.*delete the lock"):
+        trainer.WorkdirLock(tmp_path).acquire()
+    path.write_text("")
+    with pytest.raises(trainer.WorkdirLockedError, match="names no holder"):
+        trainer.WorkdirLock(tmp_path).acquire()
+    assert path.read_text() == ""  # a refused lock is left alone
+
+
+def test_run_refuses_a_locked_workdir_and_releases_on_errors(tmp_path, data_dir):
+    workdir = tmp_path / "run"
+    opts = trainer.RunOptions(str(workdir), data_dir)
+    with trainer.WorkdirLock(workdir):
+        with pytest.raises(trainer.WorkdirLockedError, match="in use by pid"):
+            trainer.run(tiny_config(), opts)
+        assert not (workdir / trainer.CONFIG_FILE).exists()
+    # An error inside the run (no corpus) still removes the lock.
+    with pytest.raises(FileNotFoundError):
+        trainer.run(tiny_config(), dataclasses.replace(opts, data_dir=str(tmp_path / "none")))
+    assert not (workdir / trainer.LOCK_FILE).exists()
+
+
+# --- divergence guard ---------------------------------------------------------------
+
+
+def test_nonfinite_loss_stops_before_saving_and_keeps_good_checkpoints(tmp_path, data_dir):
+    # Adam moves every weight by ~lr per step: the loss overflows within a few steps.
+    cfg = tiny_config(steps=30, lr=1e30, checkpoint_every=1)
+    cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, clip_norm=1e30))
+    workdir = tmp_path / "run"
+    with pytest.raises(trainer.DivergenceError) as err:
+        trainer.run(cfg, trainer.RunOptions(str(workdir), data_dir, max_to_keep=None))
+    e = err.value
+    assert 1 < e.step < 30 and e.metric in ("loss", "grad_norm", "state")
+    assert f"at step {e.step}" in str(e) and e.metric in str(e)
+    with checkpoint.Checkpointer(workdir / trainer.CHECKPOINT_DIR) as ckpt:
+        steps = ckpt.all_steps()
+        assert steps and max(steps) < e.step and e.last_checkpoint == max(steps)
+        # The newest checkpoint left is finite.
+        from twell_jax import sharding, train
+
+        mesh = sharding.make_mesh(*cfg.mesh_shape)
+        restored = ckpt.restore(train.abstract_train_state(cfg, mesh))
+        leaves = [np.asarray(x) for x in jax.tree.leaves(restored.state)]
+        assert all(np.isfinite(x).all() for x in leaves if np.issubdtype(x.dtype, np.inexact))
+    assert not (workdir / trainer.LOCK_FILE).exists()
+
+
+# --- every check before any write; schedule changes ---------------------------------
+
+
+def test_rejected_resume_leaves_config_json_unchanged(tmp_path, finished, data_dir):
+    workdir = _copy(finished, tmp_path)
+    before = (workdir / trainer.CONFIG_FILE).read_bytes()
+    metrics_before = (workdir / "metrics.jsonl").read_bytes()
+    opts = trainer.RunOptions(str(workdir), data_dir)
+    with pytest.raises(ValueError, match=r"optim\.lr"):
+        trainer.run(tiny_config(lr=1e-2), opts)
+    with pytest.raises(ValueError, match="resume is off"):
+        trainer.run(tiny_config(lr=1e-2), dataclasses.replace(opts, resume=False))
+    with pytest.raises(trainer.ScheduleChangeError, match="--allow_schedule_change"):
+        trainer.run(tiny_config(steps=4), opts)
+    assert (workdir / trainer.CONFIG_FILE).read_bytes() == before
+    assert (workdir / "metrics.jsonl").read_bytes() == metrics_before
+    assert not (workdir / trainer.LOCK_FILE).exists()
+
+
+def test_steps_below_the_checkpoint_is_an_error(tmp_path, finished, data_dir):
+    workdir = _copy(finished, tmp_path)
+    opts = trainer.RunOptions(str(workdir), data_dir, allow_schedule_change=True)
+    with pytest.raises(trainer.ScheduleChangeError, match="below the checkpoint's step 2"):
+        trainer.run(tiny_config(steps=1), opts)
+    # The same total is a finished run: nothing to do.
+    assert trainer.run(tiny_config(), opts)["step"] == 2
+
+
+def test_allowed_schedule_change_continues_on_the_new_schedule(tmp_path, finished, data_dir):
+    workdir = _copy(finished, tmp_path)
+    opts = trainer.RunOptions(str(workdir), data_dir, allow_schedule_change=True)
+    assert trainer.run(tiny_config(steps=3), opts)["step"] == 3
+    assert json.loads((workdir / trainer.CONFIG_FILE).read_text())["optim"]["total_steps"] == 3
