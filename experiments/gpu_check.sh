@@ -15,6 +15,8 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 status=0
+# A time-boxed pretraining run saves and stops on SIGINT: timeout's 124 or the run's 130.
+stopped_ok() { [ "$1" -eq 0 ] || [ "$1" -eq 124 ] || [ "$1" -eq 130 ]; }
 for what in "${@:-all}"; do
   case "$what" in
     tests|all) python3 -m pytest -m gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_h200.log" \
@@ -49,8 +51,8 @@ for what in "${@:-all}"; do
         # shellcheck disable=SC2086
         timeout --signal=INT --kill-after=60 "${QUALITY_TIMEOUT_S:-0}" \
           python3 -m experiments.pretrain --flagfile="experiments/configs/$cfg.flags" \
-          --workdir="/tmp/runs/$cfg" ${QUALITY_ARGS:-} 2>&1 | tee "$OUT/${cfg}_log.txt" \
-          || status=1
+          --workdir="/tmp/runs/$cfg" ${QUALITY_ARGS:-} 2>&1 | tee "$OUT/${cfg}_log.txt"
+        stopped_ok $? || status=1
         cp "/tmp/runs/$cfg/metrics.jsonl" "$OUT/${cfg}_metrics.jsonl"
         cp "/tmp/runs/$cfg/metrics.png" "$OUT/${cfg}_metrics.png"
       done ;;
@@ -62,7 +64,8 @@ for what in "${@:-all}"; do
         timeout --signal=INT --kill-after=60 "${QUALITY_TIMEOUT_S:-0}" \
           python3 -m experiments.pretrain --flagfile=experiments/configs/125m.flags \
           --l1_coef="$lam" --workdir="/tmp/runs/125m_l1_$lam" ${QUALITY_ARGS:-} \
-          > "$OUT/125m_l1_${lam}_log.txt" 2>&1 || status=1
+          > "$OUT/125m_l1_${lam}_log.txt" 2>&1
+        stopped_ok $? || status=1
         grep "summary:" "$OUT/125m_l1_${lam}_log.txt"
         cp "/tmp/runs/125m_l1_$lam/metrics.jsonl" "$OUT/125m_l1_${lam}_metrics.jsonl"
       done
