@@ -304,6 +304,32 @@ def test_trained_checkpoint_feeds_the_model_benchmark(straight, data_dir):
         benchmark_model.trained_params(str(workdir / "checkpoints"))
 
 
+def test_trained_checkpoint_neuron_profile_and_captured_benchmark(straight, data_dir):
+    """The neuron profile and the captured-pattern benchmark read a pretrain workdir."""
+    from experiments import benchmark_train
+    from experiments import neuron_profile as profile_cli
+    from pallas_kernels import SparseTrainConfig
+
+    workdir, _ = straight
+    prof = profile_cli.run(str(workdir), str(data_dir), batch=2)
+    assert prof["step"] == 6 and prof["tokens"] == 64 and len(prof["layers"]) == 2
+    for rec in prof["layers"]:
+        assert 0 < rec["l0"] <= rec["l0_max"] and 0 <= rec["dead_share"] < 1
+        assert rec["top1_share"] <= rec["top10_share"] <= 1 and 0 < rec["hottest_rate"] <= 1
+    recs = benchmark_train.run_captured(
+        str(workdir), str(data_dir), layers=(0, 1), M=64, reps=1,
+        config=SparseTrainConfig(impl="xla"),
+    )  # fmt: skip
+    for layer, rec in enumerate(recs):
+        assert rec["layer"] == layer and rec["pattern"] == "captured" and rec["M"] == 64
+        # the op saw the layer's real FFN input: its l0 is the profile's
+        assert rec["l0"] == pytest.approx(prof["layers"][layer]["l0"], rel=1e-3)
+        assert max(rec["grad_rel_err"].values()) < 3e-2
+        assert rec["vs_uniform"] == pytest.approx(
+            rec["sparse_ms"] / rec["uniform_control"]["sparse_ms"]
+        )
+
+
 @pytest.mark.slow
 def test_quality_report_table_and_plot(tmp_path, straight):
     from experiments import quality_report
