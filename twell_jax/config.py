@@ -12,6 +12,7 @@ in. Dotted-key overrides ("model.d_ff=1024") are `twell_jax.overrides`.
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -89,6 +90,8 @@ class ModelConfig:
     def __post_init__(self):
         _require_positive(self, "vocab_size", "d_model", "d_ff", "n_layers", "n_heads", "seq_len")
         _require_positive(self, "rope_theta", "norm_eps", "init_std")
+        for field in ("rope_theta", "norm_eps", "init_std"):
+            _require(self, field, math.isfinite(getattr(self, field)), "must be finite")
         _require(
             self, "ffn_variant", self.ffn_variant in FFN_VARIANTS, f"must be one of {FFN_VARIANTS}"
         )

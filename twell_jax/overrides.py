@@ -29,21 +29,39 @@ def parse_assignments(items: Iterable[str]) -> dict[str, str]:
     return out
 
 
+def _convert(text: str, kind: type) -> Any:
+    """`kind(text)` for a scalar field type; ValueError saying what was expected."""
+    try:
+        return kind(text.strip())
+    except (TypeError, ValueError):
+        raise ValueError(f"expected {'an' if kind is int else 'a'} {kind.__name__}") from None
+
+
 def _parse(text: str, current: Any, hint: Any) -> Any:
-    """Parses a string override to the type of the field it replaces."""
+    """Parses a string override to the type of the field it replaces.
+
+    Raises:
+      ValueError: saying what the field expects (the caller names field and value).
+    """
     if text.lower() == "none" and type(None) in typing.get_args(hint):
         return None
     if isinstance(current, bool):
         if text.lower() not in ("true", "false", "1", "0"):
-            raise ValueError(f"expected a bool, got {text!r}")
+            raise ValueError("expected a bool (true, false, 1 or 0)")
         return text.lower() in ("true", "1")
     if isinstance(current, tuple):
-        return tuple(type(c)(x) for c, x in zip(current, text.split(","), strict=True))
+        parts = text.split(",")
+        if len(parts) != len(current):
+            kinds = "/".join(sorted({type(c).__name__ for c in current}))
+            raise ValueError(
+                f"expected {len(current)} comma-separated {kinds} values, got {len(parts)}"
+            )
+        return tuple(_convert(x, type(c)) for c, x in zip(current, parts, strict=True))
     if isinstance(current, int | float | str):
-        return type(current)(text)
+        return _convert(text, type(current))
     # None default with an `X | None` hint: parse as X.
     base = [t for t in typing.get_args(hint) if t is not type(None)]
-    return base[0](text) if base and isinstance(hint, types.UnionType) else text
+    return _convert(text, base[0]) if base and isinstance(hint, types.UnionType) else text
 
 
 def with_overrides(cfg: Any, overrides: dict[str, Any]) -> Any:
@@ -75,6 +93,9 @@ def with_overrides(cfg: Any, overrides: dict[str, Any]) -> Any:
                 raise ValueError(f"{name!r} is a config section: override {name}.<field>")
             value = with_overrides(current, value)
         elif isinstance(value, str) and not isinstance(current, str):
-            value = _parse(value, current, hints[name])
+            try:
+                value = _parse(value, current, hints[name])
+            except ValueError as e:
+                raise ValueError(f"{type(cfg).__name__}.{name}={value!r}: {e}") from None
         changes[name] = value
     return dataclasses.replace(cfg, **changes)

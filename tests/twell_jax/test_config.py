@@ -31,6 +31,11 @@ from twell_jax import model as M
         (dict(sparse_ell_width=2), "sparse_ell_width=2: "),
         (dict(n_layers=0), "n_layers"),
         (dict(d_model=96, n_heads=32), "n_heads"),  # head_dim 3: odd, no RoPE pairs
+        (dict(rope_theta=float("inf")), "rope_theta=inf: must be finite"),
+        (dict(rope_theta=float("nan")), "rope_theta=nan: must be > 0"),
+        (dict(rope_theta=0.0), "rope_theta=0.0: must be > 0"),
+        (dict(rope_theta=-1e4), r"rope_theta=-10000.0: must be > 0"),
+        (dict(norm_eps=float("inf")), "norm_eps=inf: must be finite"),
     ],
 )
 def test_model_config_validation(overrides, field):

@@ -40,3 +40,24 @@ def test_assignments_split_at_the_first_equals_sign():
     }
     with pytest.raises(ValueError, match=r"expected section\.field=value"):
         overrides.parse_assignments(["model.d_ff"])
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("model.d_model", "abc", r"ModelConfig\.d_model='abc': expected an int$"),
+        ("model.d_model", "1.5", r"ModelConfig\.d_model='1\.5': expected an int$"),
+        ("optim.lr", "fast", r"OptimConfig\.lr='fast': expected a float$"),
+        (
+            "optim.betas",
+            "0.9",
+            r"OptimConfig\.betas='0\.9': expected 2 comma-separated float values, got 1$",
+        ),
+        ("optim.betas", "0.9,x", r"OptimConfig\.betas='0\.9,x': expected a float$"),
+        ("model.remat", "yes", r"ModelConfig\.remat='yes': expected a bool"),
+        ("sparsity.tokens_until_dead", "lots", r"tokens_until_dead='lots': expected an int$"),
+    ],
+)
+def test_unparsable_values_name_the_field_and_value(key, value, message):
+    with pytest.raises(ValueError, match=message):
+        overrides.with_overrides(C.train_preset("tiny"), {key: value})
