@@ -15,8 +15,10 @@ backward  Pallas row kernels: dT = gO Wd^T at the entries + (dL/dl1 / M) sign(T)
           (`hot`: at least `hot_min_count` entries), whose rows come from dense GEMMs
           over a [M, K] block; the tail rows through `jax.vjp` of the dense formula on
           their gather (XLA).
-fallback  when the heavy rows exceed the largest tail capacity, the whole call (forward
-          and backward) runs the dense formula; `stats["dense_fallback"]` says so.
+fallback  when the heavy rows exceed the largest tail capacity, or x or a weight holds
+          a NaN or Inf, the whole call (forward and backward) runs the dense formula,
+          which propagates non-finite values exactly as the reference does;
+          `stats["dense_fallback"]` says so.
 
 No host round trips: the choices (tail bucket, fallback) are `lax.cond` / `lax.switch`
 on device values whose branches hold only kernels, GEMMs and fusions, so XLA runs them
@@ -190,7 +192,16 @@ def _forward(static: _Static, x, wg, wu, wd):
         )
         plan = fmt.plan_tail(ell.counts, width, caps)
         ell_count = fmt.ell_counts(ell.counts, width)
-    fallback = plan.bucket == len(caps)
+    # Non-finite inputs run the dense formula, which propagates NaN/Inf exactly as the
+    # reference does (the compaction reads a NaN gate as "not positive", and the SDDMM
+    # never reads W_up/W_down outside the pattern). The backward reads the decision from
+    # the bucket in the residuals, so it is folded in there.
+    with jax.named_scope("twell_finite_check"):
+        nonfinite = ~functools.reduce(
+            jnp.logical_and, [jnp.isfinite(a).all() for a in (x, wg, wu, wd)]
+        )
+    bucket = jnp.where(nonfinite, len(caps), plan.bucket).astype(plan.bucket.dtype)
+    fallback = bucket == len(caps)
 
     def sparse(_):
         with jax.named_scope("twell_sddmm_up"):
@@ -212,7 +223,7 @@ def _forward(static: _Static, x, wg, wu, wd):
         return out, l1_sum, zeros, zeros
 
     out, l1_sum, r, t = lax.cond(fallback, dense, sparse, None)
-    cap_used = jnp.asarray((*caps, -1), jnp.int32)[plan.bucket]
+    cap_used = jnp.asarray((*caps, -1), jnp.int32)[bucket]
     stats = {
         "l0": jnp.sum(ell.counts).astype(_F32) / m,
         "l1": l1_sum / m,
@@ -224,7 +235,7 @@ def _forward(static: _Static, x, wg, wu, wd):
         "fired": fired,
     }
     res = (x, wg, wu, wd, ell_count, ell.cols, ell.vals, ell.col_counts, r, t, plan.rows)
-    res = (*res, plan.bucket)
+    res = (*res, bucket)
     return out, stats, res
 
 
@@ -296,6 +307,21 @@ def _op_bwd(static, res, cts):
 _op.defvjp(_op_fwd, _op_bwd)
 
 
+def _empty_stats(n: int) -> dict[str, jax.Array]:
+    """The stats of a call without tokens: the usual shapes and dtypes, all zero."""
+    i32 = jnp.zeros((), jnp.int32)
+    return {
+        "l0": jnp.zeros((), _F32),
+        "l1": jnp.zeros((), _F32),
+        "max_row_count": i32,
+        "tail_rows": i32,
+        "tail_capacity": i32,
+        "dense_fallback": i32,
+        "hot_neurons": i32,
+        "fired": jnp.zeros((n,), jnp.bool_),
+    }
+
+
 def sparse_gated_mlp_train(
     x: jax.Array,
     w_gate: jax.Array,
@@ -309,7 +335,8 @@ def sparse_gated_mlp_train(
     """Activation-sparse gated ReLU MLP with a sparse backward (docs/design.md §5-§6).
 
     Args:
-        x: [..., H] tokens (bf16); leading axes are flattened to M tokens.
+        x: [..., H] tokens (bf16); leading axes are flattened to M tokens. M = 0
+            returns an empty output, zero stats and zero gradients without a launch.
         w_gate, w_up, w_down: [N, H] (w_down is down_proj transposed).
         l1_coef: adds the gradient of `l1_coef * stats["l1"]` in the backward without
             the caller putting l1 in its loss (traced scalar: warmups are fine). Use
@@ -326,8 +353,8 @@ def sparse_gated_mlp_train(
             max_row_count: int32 scalar, the most positives of one token.
             tail_rows: int32 scalar, rows with more than W positives (tail/fallback).
             tail_capacity: int32 scalar, tail bucket capacity used (-1: fallback).
-            dense_fallback: int32 scalar, 1 when the tail was full and the call ran
-                densely.
+            dense_fallback: int32 scalar, 1 when the call ran densely: the tail was
+                full, or an input held a NaN or Inf.
             hot_neurons: int32 scalar, neurons with at least `hot_min_count` ELL
                 entries (their weight gradients run as dense GEMMs).
             fired: bool [N], neurons positive for at least one token.
@@ -335,14 +362,23 @@ def sparse_gated_mlp_train(
     Raises:
         ValueError: shapes the Pallas kernels do not support (see
             `sparse_train_supported`; block sizes are otherwise fitted to H and N by
-            `resolve_config`) or inconsistent weight shapes.
+            `resolve_config`), a scalar x, or weights that are not [N, H] matrices.
     """
+    if jnp.ndim(x) < 1:
+        raise ValueError(f"x must be [..., H] with at least one axis, got shape {jnp.shape(x)}")
+    for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
+        if jnp.ndim(w) != 2:
+            raise ValueError(f"{name} must be an [N, H] matrix, got shape {jnp.shape(w)}")
     lead, h = x.shape[:-1], x.shape[-1]
     n = w_gate.shape[0]
     for w in (w_gate, w_up, w_down):
         if w.shape != (n, h):
             raise ValueError(f"weights must all be [N, H] = {(n, h)}, got {w.shape}")
     x2 = x.reshape(-1, h)
+    if x2.shape[0] == 0:
+        # No tokens: nothing to launch. The outputs depend on no input, so every
+        # gradient (x, weights, l1) is zero.
+        return jnp.zeros(x.shape, x.dtype), _empty_stats(n)
     reason = sparse_train_supported(x2.shape[0], h, n, config)
     if reason:
         raise ValueError(f"sparse_gated_mlp_train: {reason}")
