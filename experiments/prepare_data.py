@@ -1,7 +1,11 @@
 r"""Tokenizes a corpus into token shards + meta.json for training.
 
 With no --inputs the corpus is this interpreter's Python standard library (*.py), which needs
-no download. Examples:
+no download. A file that is not valid UTF-8 stops the run (the error names the file and byte
+offset) unless --on_invalid_utf8=replace, which replaces each invalid sequence with U+FFFD and
+counts them (log warning, meta.json `invalid_utf8_replaced`). A corpus without text is an
+error; one too small for a validation split is prepared with a warning giving its counts.
+Examples:
 
   python -m experiments.prepare_data --data_dir=data/stdlib_byte
   python -m experiments.prepare_data --data_dir=data/stdlib_bpe4k --bpe_vocab_size=4096
@@ -27,6 +31,13 @@ _BPE_VOCAB_SIZE = flags.DEFINE_integer(
 )
 _MAX_BYTES = flags.DEFINE_integer("max_bytes", 0, "Cap on the stdlib corpus size; 0: no cap.")
 _TEXT_FIELD = flags.DEFINE_string("text_field", "text", "Text field of .jsonl records.")
+_ON_INVALID_UTF8 = flags.DEFINE_enum(
+    "on_invalid_utf8",
+    "error",
+    list(corpus.ON_INVALID_UTF8),
+    "--inputs that are not valid UTF-8: 'error' names the file and byte offset, 'replace' "
+    "substitutes U+FFFD per invalid sequence and counts them in meta.json.",
+)
 _VAL_FRACTION = flags.DEFINE_float("val_fraction", 0.01, "Fraction of documents for val.")
 _SHARD_TOKENS = flags.DEFINE_integer("shard_tokens", corpus.DEFAULT_SHARD_TOKENS, "Tokens/shard.")
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace an existing prepared corpus.")
@@ -35,7 +46,7 @@ _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace an existing prepared
 def _documents():
     """A fresh iterator over the selected corpus (BPE training reads it once more)."""
     if _INPUTS.value:
-        return corpus.file_documents(_INPUTS.value, _TEXT_FIELD.value)
+        return corpus.file_documents(_INPUTS.value, _TEXT_FIELD.value, _ON_INVALID_UTF8.value)
     return corpus.stdlib_documents(_MAX_BYTES.value)
 
 

@@ -7,8 +7,15 @@ shards are complete. Documents go to train or val by a hash of their key (a rela
 `path:line` for .jsonl), so the split is deterministic and stable when documents are added.
 `load_meta` and `open_shards` read a prepared corpus back; `twell_jax.input_pipeline` cuts
 the shards into batches.
+
+Bad input is refused while preparing: a file that is not valid UTF-8 is an error naming
+the file and the byte offset, unless `on_invalid_utf8="replace"` substitutes U+FFFD for
+each invalid sequence (meta.json's `invalid_utf8_replaced` and a log warning count them);
+a corpus without any text is an error; a validation split that comes out empty (too few
+documents for `val_fraction`) is logged as a warning with the document and token counts.
 """
 
+import codecs
 import dataclasses
 import hashlib
 import json
@@ -38,14 +45,20 @@ TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".jsonl")
 DEFAULT_SHARD_TOKENS = 2**28
 # Documents are tokenized this many at a time (encode_batch is parallel for BPE).
 _ENCODE_CHUNK = 256
+# What a file that is not valid UTF-8 does: raise, or have U+FFFD per invalid sequence.
+ON_INVALID_UTF8 = ("error", "replace")
 
 
 @dataclasses.dataclass(frozen=True)
 class Document:
-    """One document of a corpus: `key` decides its split, `text` is tokenized."""
+    """One document of a corpus: `key` decides its split, `text` is tokenized.
+
+    `replaced` counts the invalid UTF-8 sequences its source held, each replaced by U+FFFD.
+    """
 
     key: str
     text: str
+    replaced: int = 0
 
 
 # ----------------------------------------------------------------------------- sources
@@ -76,13 +89,13 @@ def stdlib_documents(max_bytes: int = 0) -> Iterator[Document]:
         total += path.stat().st_size
         if max_bytes and total > max_bytes:
             return
-        # A few stdlib test files are deliberately not UTF-8; replacing keeps every byte count.
-        text = path.read_text(encoding="utf-8", errors="replace")
-        yield Document(f"stdlib/{path.relative_to(root).as_posix()}", text)
+        # A few stdlib test files are deliberately not UTF-8: replaced (and counted).
+        text, replaced = _decode(path.read_bytes(), path, "replace")
+        yield Document(f"stdlib/{path.relative_to(root).as_posix()}", text, replaced)
 
 
 def file_documents(
-    paths: Sequence[str | os.PathLike], text_field: str = "text"
+    paths: Sequence[str | os.PathLike], text_field: str = "text", on_invalid_utf8: str = "error"
 ) -> Iterator[Document]:
     """Yields documents from text files, directories and .jsonl files.
 
@@ -91,10 +104,22 @@ def file_documents(
     files ending in `TEXT_SUFFIXES`. Keys are relative to the given path, so the split does
     not depend on where the corpus lives.
 
+    Args:
+      paths: the files and directories.
+      text_field: the text field of .jsonl records.
+      on_invalid_utf8: "error" (a file that is not valid UTF-8 raises, naming the file
+        and byte offset) or "replace" (U+FFFD per invalid sequence, counted in
+        `Document.replaced`).
+
     Raises:
       FileNotFoundError: a path does not exist.
-      ValueError: a .jsonl line is not a JSON object with a string `text_field`.
+      ValueError: invalid UTF-8 (with "error"), a directory without any such file, or a
+        .jsonl line that is not a JSON object with a string `text_field`.
     """
+    if on_invalid_utf8 not in ON_INVALID_UTF8:
+        raise ValueError(
+            f"on_invalid_utf8 must be one of {ON_INVALID_UTF8}, got {on_invalid_utf8!r}"
+        )
     for given in paths:
         given = Path(given)
         if given.is_dir():
@@ -105,23 +130,56 @@ def file_documents(
                 and p.suffix in TEXT_SUFFIXES
                 and not any(part.startswith(".") for part in p.relative_to(given).parts)
             )
-            for path in files:
-                yield from _read_file(
-                    path, f"{given.name}/{path.relative_to(given).as_posix()}", text_field
+            if not files:
+                raise ValueError(
+                    f"corpus directory {given} holds no {'/'.join(TEXT_SUFFIXES)} files"
                 )
+            for path in files:
+                key = f"{given.name}/{path.relative_to(given).as_posix()}"
+                yield from _read_file(path, key, text_field, on_invalid_utf8)
         elif given.is_file():
-            yield from _read_file(given, given.name, text_field)
+            yield from _read_file(given, given.name, text_field, on_invalid_utf8)
         else:
             raise FileNotFoundError(f"corpus path not found: {given}")
 
 
-def _read_file(path: Path, key: str, text_field: str) -> Iterator[Document]:
+def _decode(data: bytes, path: Path, on_invalid_utf8: str, offset: int = 0) -> tuple[str, int]:
+    """UTF-8 `data` (at byte `offset` of `path`) -> (text, invalid sequences replaced).
+
+    "replace" gives the text of `data.decode("utf-8", errors="replace")`.
+    """
+    try:
+        return data.decode("utf-8"), 0
+    except UnicodeDecodeError as e:
+        if on_invalid_utf8 == "error":
+            raise ValueError(
+                f"{path}: invalid UTF-8 at byte offset {offset + e.start} "
+                f"({data[e.start : e.end]!r}); pass --on_invalid_utf8=replace "
+                "(on_invalid_utf8='replace') to replace invalid sequences with U+FFFD"
+            ) from None
+    # Decode up to each invalid sequence and replace it: linear in len(data).
+    view, parts, pos, replaced = memoryview(data), [], 0, 0
+    while True:
+        try:
+            parts.append(codecs.utf_8_decode(view[pos:], "strict", True)[0])
+            return "".join(parts), replaced
+        except UnicodeDecodeError as e:
+            parts.append(codecs.utf_8_decode(view[pos : pos + e.start], "strict", True)[0])
+            parts.append("\ufffd")
+            replaced += 1
+            pos += e.end
+
+
+def _read_file(path: Path, key: str, text_field: str, on_invalid_utf8: str) -> Iterator[Document]:
     """Yields the document(s) of one file: one per .jsonl line, else the whole file."""
     if path.suffix != ".jsonl":
-        yield Document(key, path.read_text(encoding="utf-8", errors="replace"))
+        yield Document(key, *_decode(path.read_bytes(), path, on_invalid_utf8))
         return
-    with path.open(encoding="utf-8", errors="replace") as f:
-        for line_no, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        offset = 0
+        for line_no, raw in enumerate(f, start=1):
+            line, replaced = _decode(raw, path, on_invalid_utf8, offset)
+            offset += len(raw)
             if not line.strip():
                 continue
             try:
@@ -132,7 +190,7 @@ def _read_file(path: Path, key: str, text_field: str) -> Iterator[Document]:
                 raise ValueError(
                     f"{path}:{line_no}: expected an object with a string {text_field!r} field"
                 )
-            yield Document(f"{key}:{line_no}", record[text_field])
+            yield Document(f"{key}:{line_no}", record[text_field], replaced)
 
 
 def is_val(key: str, val_fraction: float) -> bool:
@@ -158,7 +216,13 @@ def train_corpus_bpe(
     Returns:
       The tokenizer, saved as `data_dir/tokenizer.json`; pass it to `prepare_corpus`.
     """
-    texts = (d.text for d in documents if not is_val(d.key, val_fraction))
+    texts = [d.text for d in documents if not is_val(d.key, val_fraction)]
+    if not any(texts):
+        raise ValueError(
+            f"no text to train a BPE on: {len(texts)} training documents, all empty"
+            if texts
+            else "no text to train a BPE on: the corpus has no training documents"
+        )
     return tokenizer_lib.train_bpe_from_texts(texts, vocab_size, Path(data_dir) / TOKENIZER_FILE)
 
 
@@ -223,11 +287,18 @@ def prepare_corpus(
       overwrite: replace an existing prepared corpus in `data_dir`.
 
     Returns:
-      The meta dict that was written to meta.json.
+      The meta dict that was written to meta.json; `invalid_utf8_replaced` counts the
+      invalid UTF-8 sequences the sources replaced (`Document.replaced`) and the
+      documents that held them.
+
+    A validation split that comes out empty while `val_fraction` > 0 (a corpus of few
+    documents) is not an error: it is logged as a warning with the documents and tokens
+    of the corpus, and evaluation then has no data.
 
     Raises:
       FileExistsError: `data_dir` already holds meta.json and `overwrite` is False.
-      ValueError: bad arguments, or the corpus has no training documents.
+      ValueError: bad arguments, a corpus without any text, or one with no training
+        documents.
     """
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
@@ -242,6 +313,7 @@ def prepare_corpus(
     tmp_dir.mkdir()
     dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32)
     writers = {s: _ShardWriter(tmp_dir, s, dtype, shard_tokens) for s in SPLITS}
+    text_chars = replaced = replaced_docs = 0
     try:
         for chunk in _chunks(documents, _ENCODE_CHUNK):
             for doc, ids in zip(
@@ -249,8 +321,17 @@ def prepare_corpus(
             ):
                 split = "val" if is_val(doc.key, val_fraction) else "train"
                 writers[split].write_doc(ids, tokenizer.eos_id)
+                text_chars += len(doc.text)
+                replaced += doc.replaced
+                replaced_docs += doc.replaced > 0
         for w in writers.values():
             w.close()
+        num_docs = sum(w.num_docs for w in writers.values())
+        if text_chars == 0:
+            raise ValueError(
+                f"corpus {source!r} is empty: "
+                + (f"{num_docs} documents, all without text" if num_docs else "no documents")
+            )
         if writers["train"].num_docs == 0:
             raise ValueError(f"corpus {source!r} has no training documents")
         meta = {
@@ -259,6 +340,7 @@ def prepare_corpus(
             "source": source,
             "python": sys.version.split()[0],
             "val_fraction": val_fraction,
+            "invalid_utf8_replaced": {"sequences": replaced, "documents": replaced_docs},
             "tokenizer": _tokenizer_meta(tokenizer),
             "splits": {
                 s: {
@@ -284,6 +366,24 @@ def prepare_corpus(
             w.close()
         shutil.rmtree(tmp_dir, ignore_errors=True)
     logging.info("prepared %s: %s", data_dir, summary(meta))
+    if replaced:
+        logging.warning(
+            "%s: replaced %d invalid UTF-8 sequences with U+FFFD in %d documents",
+            source,
+            replaced,
+            replaced_docs,
+        )
+    if val_fraction > 0 and writers["val"].num_docs == 0:
+        train = meta["splits"]["train"]
+        logging.warning(
+            "corpus %r is too small for a validation split: none of its %d documents "
+            "(%d tokens) fell into val at val_fraction=%g; evaluation will have no data "
+            "(add documents or raise val_fraction)",
+            source,
+            train["num_docs"],
+            train["num_tokens"],
+            val_fraction,
+        )
     return meta
 
 
@@ -318,11 +418,15 @@ def _write_json_atomic(path: Path, obj: Any):
 def summary(meta: dict[str, Any]) -> str:
     """One line describing a prepared corpus: tokens and documents per split, tokenizer."""
     sp = meta["splits"]
-    return (
+    line = (
         f"train {sp['train']['num_tokens']:,} tokens / {sp['train']['num_docs']} docs, "
         f"val {sp['val']['num_tokens']:,} tokens / {sp['val']['num_docs']} docs, "
         f"tokenizer {meta['tokenizer']['spec']} (vocab {meta['tokenizer']['vocab_size']})"
     )
+    bad = meta.get("invalid_utf8_replaced", {})
+    if bad.get("sequences"):
+        line += f", {bad['sequences']} invalid UTF-8 sequences replaced in {bad['documents']} docs"
+    return line
 
 
 def ensure_default_data(

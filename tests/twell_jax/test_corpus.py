@@ -64,3 +64,66 @@ def test_ensure_default_data_prepares_stdlib_once(tmp_path, monkeypatch):
     bpe = tokenizer.train_bpe_from_texts(["abc abd"] * 10, 260, tmp_path / "tok.json")
     with pytest.raises(ValueError, match="prepared with tokenizer 'byte'"):
         corpus.ensure_default_data(tmp_path / "d", bpe.spec)
+
+
+def test_invalid_utf8_is_an_error_naming_file_and_offset(tmp_path):
+    txt = tmp_path / "a.txt"
+    txt.write_bytes("héllo ".encode() + b"\xe2\x82 x")
+    with pytest.raises(ValueError, match=r"a\.txt: invalid UTF-8 at byte offset 7 "):
+        list(corpus.file_documents([txt]))
+    jsonl = tmp_path / "b.jsonl"
+    jsonl.write_bytes(b'{"text": "ok"}\n{"text": "\xff"}\n')
+    with pytest.raises(ValueError, match=r"b\.jsonl: invalid UTF-8 at byte offset 25 "):
+        list(corpus.file_documents([jsonl]))
+    with pytest.raises(ValueError, match="on_invalid_utf8"):
+        list(corpus.file_documents([txt], on_invalid_utf8="ignore"))
+
+
+def test_replace_counts_like_python_replace(tmp_path):
+    data = np.random.default_rng(0).integers(0, 256, 4000, dtype=np.uint8).tobytes()
+    (tmp_path / "r.txt").write_bytes(data)
+    (doc,) = corpus.file_documents([tmp_path / "r.txt"], on_invalid_utf8="replace")
+    assert doc.text == data.decode("utf-8", errors="replace")
+    assert doc.replaced > 100
+    jsonl = tmp_path / "r.jsonl"
+    jsonl.write_bytes(b'{"text": "a\xff\xfe"}\n{"text": "b"}\n')
+    docs = list(corpus.file_documents([jsonl], on_invalid_utf8="replace"))
+    assert [(d.text, d.replaced) for d in docs] == [("a\ufffd\ufffd", 2), ("b", 0)]
+    meta = corpus.prepare_corpus(
+        docs, tmp_path / "out", tokenizer.ByteTokenizer(), source="t", val_fraction=0
+    )
+    assert meta["invalid_utf8_replaced"] == {"sequences": 2, "documents": 1}
+
+
+def test_empty_inputs_are_errors(tmp_path):
+    (tmp_path / "d").mkdir()
+    with pytest.raises(ValueError, match=r"d holds no .*\.txt"):
+        list(corpus.file_documents([tmp_path / "d"]))
+    tok = tokenizer.ByteTokenizer()
+    with pytest.raises(ValueError, match="is empty: no documents"):
+        corpus.prepare_corpus([], tmp_path / "o1", tok, source="t")
+    docs = [corpus.Document("a", ""), corpus.Document("b", "")]
+    with pytest.raises(ValueError, match="is empty: 2 documents, all without text"):
+        corpus.prepare_corpus(docs, tmp_path / "o2", tok, source="t")
+    assert not (tmp_path / "o2" / corpus.META_FILE).exists()
+    with pytest.raises(ValueError, match="no text to train a BPE on"):
+        corpus.train_corpus_bpe(docs, tmp_path / "o3", 300, val_fraction=0)
+
+
+def test_too_small_for_val_warns_with_counts(tmp_path, monkeypatch):
+    warnings = []
+    monkeypatch.setattr(corpus.logging, "warning", lambda msg, *a: warnings.append(msg % a))
+    docs = [corpus.Document("only", "abc")]
+    meta = corpus.prepare_corpus(
+        docs, tmp_path / "o", tokenizer.ByteTokenizer(), source="t", val_fraction=0.01
+    )
+    assert meta["splits"]["val"]["num_docs"] == 0
+    assert warnings == [
+        "corpus 't' is too small for a validation split: none of its 1 documents (4 tokens) "
+        "fell into val at val_fraction=0.01; evaluation will have no data "
+        "(add documents or raise val_fraction)"
+    ]
+    corpus.prepare_corpus(
+        docs, tmp_path / "o0", tokenizer.ByteTokenizer(), source="t", val_fraction=0
+    )
+    assert len(warnings) == 1  # val_fraction=0 asks for no validation split
