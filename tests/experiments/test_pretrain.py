@@ -304,14 +304,24 @@ def test_trained_checkpoint_feeds_the_model_benchmark(straight, data_dir):
         benchmark_model.trained_params(str(workdir / "checkpoints"))
 
 
+@pytest.mark.slow
 def test_trained_checkpoint_neuron_profile_and_captured_benchmark(straight, data_dir):
     """The neuron profile and the captured-pattern benchmark read a pretrain workdir."""
     from experiments import benchmark_train
-    from experiments import neuron_profile as profile_cli
     from pallas_kernels import SparseTrainConfig
 
     workdir, _ = straight
-    prof = profile_cli.run(str(workdir), str(data_dir), batch=2)
+    out = workdir.parent / "profile.json"
+    cli = ["-m", "experiments.neuron_profile", f"--workdir={workdir}", f"--data_dir={data_dir}"]
+    proc = subprocess.run(
+        [sys.executable, *cli, "--batch=2", f"--out={out}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| layer | l0 |" in proc.stdout
+    prof = json.loads(out.read_text())
     assert prof["step"] == 6 and prof["tokens"] == 64 and len(prof["layers"]) == 2
     for rec in prof["layers"]:
         assert 0 < rec["l0"] <= rec["l0_max"] and 0 <= rec["dead_share"] < 1
