@@ -29,3 +29,18 @@ def write_text_corpus(root: Path) -> tuple[list[Path], list[str]]:
     lines = [json.dumps({"text": t, "id": i}) for i, t in enumerate(texts[12:])]
     jsonl.write_text("\n".join(lines[:6]) + "\n\n" + "\n".join(lines[6:]) + "\n")
     return [src, jsonl], texts
+
+
+def prepare_byte_corpus(paths: list[Path], out: Path) -> dict:
+    """Prepares `write_text_corpus`'s paths into out with the byte tokenizer in small
+    shards (a quarter of the documents for validation); returns the meta."""
+    from twell_jax import corpus, tokenizer
+
+    return corpus.prepare_corpus(
+        corpus.file_documents(paths),
+        out,
+        tokenizer.ByteTokenizer(),
+        source="test",
+        val_fraction=0.25,
+        shard_tokens=1000,
+    )

@@ -2,8 +2,7 @@
 
 import pytest
 
-from tests.corpora import write_text_corpus
-from twell_jax import corpus, tokenizer
+from tests.corpora import prepare_byte_corpus, write_text_corpus
 
 
 @pytest.fixture
@@ -17,12 +16,4 @@ def prepared(tmp_path, text_corpus):
     """The corpus prepared with the byte tokenizer in small shards."""
     paths, texts = text_corpus
     out = tmp_path / "prepared"
-    meta = corpus.prepare_corpus(
-        corpus.file_documents(paths),
-        out,
-        tokenizer.ByteTokenizer(),
-        source="test",
-        val_fraction=0.25,
-        shard_tokens=1000,
-    )
-    return out, meta, texts
+    return out, prepare_byte_corpus(paths, out), texts

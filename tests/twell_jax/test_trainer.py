@@ -15,8 +15,8 @@ import jax
 import numpy as np
 import pytest
 
-from tests.corpora import write_text_corpus
-from twell_jax import checkpoint, corpus, tokenizer, trainer
+from tests.corpora import prepare_byte_corpus, write_text_corpus
+from twell_jax import checkpoint, trainer
 from twell_jax import config as C
 
 
@@ -38,16 +38,8 @@ def tiny_config(steps: int = 2, lr: float = 3e-3, **fields) -> C.TrainConfig:
 def data_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("corpus")
     paths, _ = write_text_corpus(root)
-    out = root / "prepared"
-    corpus.prepare_corpus(
-        corpus.file_documents(paths),
-        out,
-        tokenizer.ByteTokenizer(),
-        source="test",
-        val_fraction=0.25,
-        shard_tokens=1000,
-    )
-    return str(out)
+    prepare_byte_corpus(paths, root / "prepared")
+    return str(root / "prepared")
 
 
 @pytest.fixture(scope="module")
