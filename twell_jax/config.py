@@ -47,7 +47,9 @@ class ModelConfig:
       d_model: H.
       d_ff: N, FFN hidden width; the kernel FFNs take the widths their kernels support.
       n_layers: L.
-      n_heads: attention heads (no GQA); head_dim = d_model / n_heads, even for RoPE.
+      n_heads: query heads; head_dim = d_model / n_heads, even for RoPE.
+      n_kv_heads: key / value heads (grouped-query attention: each serves n_heads /
+        n_kv_heads query heads); None means n_heads (multi-head attention).
       seq_len: maximum context S.
       rope_theta: RoPE base.
       norm_eps: RMSNorm epsilon.
@@ -72,6 +74,9 @@ class ModelConfig:
     d_ff: int = 512
     n_layers: int = 4
     n_heads: int = 4
+    # A saved config without this key (written before it existed) means None:
+    # `ADDED_FIELD_DEFAULTS`.
+    n_kv_heads: int | None = None
     seq_len: int = 128
     rope_theta: float = 1e5
     norm_eps: float = 1e-5
@@ -101,6 +106,13 @@ class ModelConfig:
             "d_model",
             self.d_model % self.n_heads == 0,
             f"must be divisible by n_heads={self.n_heads}",
+        )
+        _require(
+            self,
+            "n_kv_heads",
+            self.n_kv_heads is None
+            or (self.n_kv_heads > 0 and self.n_heads % self.n_kv_heads == 0),
+            f"must be None or a positive divisor of n_heads={self.n_heads}",
         )
         _require(
             self,
@@ -148,6 +160,11 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Key / value heads: n_kv_heads, or n_heads when that is None."""
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
 
     @property
     def gated(self) -> bool:
@@ -398,6 +415,16 @@ def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 MISSING = "<missing>"
+# Fields added after configs were first saved, by dotted path, with the value a saved
+# config that lacks the key stands for (its behaviour when it was written): the key
+# missing on one side and this value on the other is no difference.
+ADDED_FIELD_DEFAULTS = {"model.n_kv_heads": None}
+
+
+def _lookup(flat: dict[str, Any], key: str) -> Any:
+    if key in flat:
+        return flat[key]
+    return ADDED_FIELD_DEFAULTS.get(key, MISSING)
 
 
 def config_diff(a: Any, b: Any, ignore_keys: Iterable[str] = ()) -> dict[str, tuple[Any, Any]]:
@@ -409,15 +436,16 @@ def config_diff(a: Any, b: Any, ignore_keys: Iterable[str] = ()) -> dict[str, tu
         their last component ("total_steps") is listed.
 
     Returns:
-      Sorted key -> (a's value, b's value), `MISSING` where a config lacks the key; empty
-      when the configs match.
+      Sorted key -> (a's value, b's value), `MISSING` where a config lacks the key (a
+      key of `ADDED_FIELD_DEFAULTS` stands for its default there); empty when the
+      configs match.
     """
     ignore = set(ignore_keys)
     fa, fb = flatten(config_to_dict(a)), flatten(config_to_dict(b))
     return {
-        k: (fa.get(k, MISSING), fb.get(k, MISSING))
+        k: (_lookup(fa, k), _lookup(fb, k))
         for k in sorted(fa.keys() | fb.keys())
-        if fa.get(k, MISSING) != fb.get(k, MISSING)
+        if _lookup(fa, k) != _lookup(fb, k)
         and k not in ignore
         and k.rsplit(".", 1)[-1] not in ignore
     }

@@ -33,6 +33,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 import pallas_kernels
@@ -58,6 +59,25 @@ def attention_implementation(dtype: jnp.dtype, head_dim: int) -> str:
     return "cudnn" if cudnn_ok else "xla"
 
 
+def check_token_ids(tokens: Any, vocab_size: int, name: str = "tokens") -> None:
+    """Raises ValueError naming the first id outside [0, vocab_size) and its index.
+
+    An out-of-range id would otherwise gather garbage embeddings (NaN logits on some
+    backends). Traced arrays are skipped: jitted code cannot raise on values, so the
+    callers check host arrays before jitting.
+    """
+    if isinstance(tokens, jax.core.Tracer):
+        return
+    ids = np.asarray(tokens)
+    bad = np.argwhere((ids < 0) | (ids >= vocab_size))
+    if bad.size:
+        index = tuple(int(i) for i in bad[0])
+        raise ValueError(
+            f"{name}[{', '.join(map(str, index))}] = {int(ids[index])} is not a token id: "
+            f"ids must be in [0, vocab_size={vocab_size})"
+        )
+
+
 def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], cfg: ModelConfig) -> nnx.Param:
     init = jax.nn.initializers.normal(stddev=cfg.init_std)
     return nnx.Param(init(rngs.params(), shape, cfg.weight_dtype))
@@ -77,48 +97,62 @@ class RMSNorm(nnx.Module):
         return (y * self.scale[...].astype(jnp.float32)).astype(self.out_dtype)
 
 
-def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """cos, sin of the RoPE angles, each [S, head_dim / 2] fp32."""
+def rope_angles(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """cos, sin of the RoPE angles at integer `positions` [...]: each [..., head_dim / 2] fp32."""
     inv_freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-    angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq
     return jnp.cos(angles), jnp.sin(angles)
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """cos, sin of the RoPE angles of positions 0..S-1, each [S, head_dim / 2] fp32."""
+    return rope_angles(jnp.arange(seq_len), head_dim, theta)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """Rotates the two halves of each head (Llama / HF "rotate_half" convention).
 
     Args:
-      x: [B, S, n_heads, head_dim].
-      cos, sin: [S, head_dim / 2] fp32.
+      x: [B, S, heads, head_dim].
+      cos, sin: [S, head_dim / 2] fp32 (positions shared by the batch) or
+        [B, S, head_dim / 2] (per-row positions, e.g. left-padded prompts).
     """
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    c, s = cos[:, None, :], sin[:, None, :]
+    c, s = cos[..., None, :], sin[..., None, :]
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
 
 
 class Attention(nnx.Module):
-    """Causal multi-head self-attention with RoPE (no GQA, no biases)."""
+    """Causal self-attention with RoPE and no biases; grouped-query when n_kv_heads <
+    n_heads (each key / value head serves n_heads / n_kv_heads consecutive query heads,
+    HF's `repeat_kv` order; `jax.nn.dot_product_attention` groups them itself)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        h, n, d = cfg.d_model, cfg.n_heads, cfg.head_dim
+        h, n, kv, d = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim
         self.dtype = cfg.compute_dtype
         self.wq = _normal(rngs, (h, n, d), cfg)
-        self.wk = _normal(rngs, (h, n, d), cfg)
-        self.wv = _normal(rngs, (h, n, d), cfg)
+        self.wk = _normal(rngs, (h, kv, d), cfg)
+        self.wv = _normal(rngs, (h, kv, d), cfg)
         self.wo = _normal(rngs, (n, d, h), cfg)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
         """x: [B, S, H] compute dtype -> [B, S, H] compute dtype."""
+        q, k, v = self.qkv(x, cos, sin)
+        impl = attention_implementation(self.dtype, q.shape[-1])
+        o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+        return self.output(o)
+
+    def qkv(
+        self, x: jax.Array, cos: jax.Array, sin: jax.Array
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x [B, S, H] -> q [B, S, nH, D], k and v [B, S, nKV, D] (q, k rotated by
+        `apply_rope(., cos, sin)`), all in the compute dtype."""
         proj = lambda w: jnp.einsum("bsh,hnd->bsnd", x, w[...].astype(self.dtype))
         q = apply_rope(proj(self.wq), cos, sin)
-        k = apply_rope(proj(self.wk), cos, sin)
-        o = jax.nn.dot_product_attention(
-            q,
-            k,
-            proj(self.wv),
-            is_causal=True,
-            implementation=attention_implementation(self.dtype, q.shape[-1]),
-        )
+        return q, apply_rope(proj(self.wk), cos, sin), proj(self.wv)
+
+    def output(self, o: jax.Array) -> jax.Array:
+        """Per-head attention outputs [B, S, nH, D] -> [B, S, H] compute dtype."""
         return jnp.einsum("bsnd,ndh->bsh", o, self.wo[...].astype(self.dtype))
 
 
@@ -299,8 +333,9 @@ class Transformer(nnx.Module):
     """The language model. Parameter tree (pure-dict view):
 
     embed [V, H], lm_head [V, H] (untied only), final_norm.scale [H],
-    blocks.{attn_norm,ffn_norm}.scale [L, H], blocks.attn.{wq,wk,wv} [L, H, nH, D],
-    blocks.attn.wo [L, nH, D, H], blocks.ffn.{w_gate,w_up,w_down} [L, N, H].
+    blocks.{attn_norm,ffn_norm}.scale [L, H], blocks.attn.wq [L, H, nH, D],
+    blocks.attn.{wk,wv} [L, H, nKV, D], blocks.attn.wo [L, nH, D, H],
+    blocks.ffn.{w_gate,w_up,w_down} [L, N, H].
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -318,7 +353,8 @@ class Transformer(nnx.Module):
         """Model body without the LM head, and the per-layer FFN statistics.
 
         Args:
-          tokens: [B, S] int32, S <= seq_len.
+          tokens: [B, S] int32 in [0, vocab_size), S <= seq_len (a concrete array with
+            an id out of range is a ValueError, `check_token_ids`).
           use_sparse: [L] bool per-layer switch for ffn_impl="sparse" (default: all on).
 
         Returns:
@@ -326,6 +362,7 @@ class Transformer(nnx.Module):
           `__call__`.
         """
         cfg = self.cfg
+        check_token_ids(tokens, cfg.vocab_size)
         if use_sparse is None:
             use_sparse = jnp.ones((cfg.n_layers,), bool)
         x = sharding.constrain_batch(
@@ -353,6 +390,7 @@ class Transformer(nnx.Module):
         other FFN implementations run as configured.
         """
         cfg = self.cfg
+        check_token_ids(tokens, cfg.vocab_size)
         x = jnp.take(self.embed[...], tokens, axis=0).astype(cfg.compute_dtype)
         cos, sin = rope_tables(tokens.shape[1], cfg.head_dim, cfg.rope_theta)
         graphdef, layers = nnx.split(self.blocks)
