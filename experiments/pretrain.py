@@ -58,7 +58,7 @@ import jax
 from absl import app, flags, logging
 
 from twell_jax import config as config_lib
-from twell_jax import corpus, overrides, trainer
+from twell_jax import corpus, overrides, run_guards, trainer
 
 _PRESET = flags.DEFINE_enum(
     "preset", "tiny", ["tiny", "125m", "0.5b", "1b", "1.5b", "2b"], "Model / schedule preset."
@@ -215,10 +215,10 @@ def main(argv):
     )
     try:
         summary = trainer.run(cfg, opts)
-    except (trainer.WorkdirLockedError, trainer.ScheduleChangeError) as e:
+    except (run_guards.WorkdirLockedError, run_guards.ScheduleChangeError) as e:
         logging.error("refused: %s", e)
         return EXIT_REFUSED
-    except trainer.DivergenceError as e:
+    except run_guards.DivergenceError as e:
         logging.error("diverged: %s", e)
         return EXIT_DIVERGED
     logging.info("summary: %s", json.dumps(summary))

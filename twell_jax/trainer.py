@@ -2,8 +2,9 @@
 
 `run(cfg, opts)` does everything after the config is resolved:
 
-1. takes the workdir lock (`WorkdirLock`: `<workdir>/run.lock`, holding host and pid;
-   a second run on the same workdir is refused with `WorkdirLockedError`);
+1. takes the workdir lock (`twell_jax.run_guards.WorkdirLock`: `<workdir>/run.lock`,
+   holding host and pid; a second run on the same workdir is refused with
+   `WorkdirLockedError`);
 2. reads the prepared corpus (`twell_jax.corpus`, `twell_jax.input_pipeline`), builds the
    mesh, the train state and the data iterator;
 3. restores the newest checkpoint of `<workdir>/checkpoints` if there is one (train
@@ -32,25 +33,26 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import signal
-import socket
 import time
 from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import logging
-from jax.experimental import multihost_utils
 
 from twell_jax import checkpoint, corpus, input_pipeline, metrics, sharding, train
 from twell_jax.config import TrainConfig, config_to_dict
+from twell_jax.run_guards import (
+    DivergenceError,
+    StopRequest,
+    WorkdirLock,
+    all_finite,
+    check_schedule,
+)
 
 CHECKPOINT_DIR = "checkpoints"
 CONFIG_FILE = "config.json"
-LOCK_FILE = "run.lock"
 # Per-step scalars that must stay finite (the divergence guard).
 FINITE_METRICS = ("loss", "grad_norm")
 # Config keys that may change between a checkpoint and its resumption, on top of the
@@ -85,177 +87,6 @@ class RunOptions:
     stop_at: int = 0
     plot_title: str = ""
     allow_schedule_change: bool = False
-
-
-class DivergenceError(RuntimeError):
-    """A step's loss, gradient norm or the train state is not finite; nothing was saved.
-
-    Attributes:
-      step: the first step found non-finite.
-      metric: which value: "loss", "grad_norm" or "state".
-      last_checkpoint: the newest checkpoint step on disk (the last good one), or None.
-    """
-
-    def __init__(self, step: int, metric: str, value: float, last_checkpoint: int | None):
-        kept = "none" if last_checkpoint is None else f"step {last_checkpoint}"
-        super().__init__(
-            f"non-finite {metric} ({value}) at step {step}: stopped without saving; "
-            f"last good checkpoint: {kept}"
-        )
-        self.step, self.metric, self.last_checkpoint = step, metric, last_checkpoint
-
-
-class ScheduleChangeError(ValueError):
-    """A resume that would change the schedule's length, or go back before the checkpoint."""
-
-
-class WorkdirLockedError(RuntimeError):
-    """Another live run holds the workdir lock; the message names its host and pid."""
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
-
-
-class WorkdirLock:
-    """`<workdir>/run.lock` for the life of a run: one run per workdir.
-
-    The file is created atomically (O_CREAT | O_EXCL) and holds {"host", "pid", "time"}.
-    An existing lock from another live process (or another host, whose processes this
-    one cannot see) raises `WorkdirLockedError` naming the holder; a lock left by a dead
-    process of this host is taken over with a warning. The lock is removed on exit
-    (normal, exception, KeyboardInterrupt) if it is still ours; a SIGKILL leaves a stale
-    lock, which the next run on the same host takes over.
-    """
-
-    def __init__(self, workdir: str | os.PathLike):
-        self.path = Path(workdir) / LOCK_FILE
-        self.owner = {"host": socket.gethostname(), "pid": os.getpid()}
-        self.held = False
-
-    def _create(self) -> bool:
-        try:
-            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            return False
-        with os.fdopen(fd, "w") as f:
-            json.dump({**self.owner, "time": time.time()}, f)
-        return True
-
-    def _holder(self) -> dict[str, Any] | None:
-        try:
-            return json.loads(self.path.read_text())
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError):
-            return {}
-
-    def acquire(self) -> WorkdirLock:
-        """Takes the lock.
-
-        Raises:
-          WorkdirLockedError: another live run (or an unreadable lock file) holds it.
-        """
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        for _ in range(3):
-            if self._create():
-                self.held = True
-                return self
-            holder = self._holder()
-            if holder is None:  # released between our create and read: try again
-                continue
-            host, pid = holder.get("host"), holder.get("pid")
-            if not isinstance(pid, int) or not host:
-                raise WorkdirLockedError(
-                    f"{self.path} exists but names no holder ({self.path.read_text()!r}): "
-                    "if no run uses this workdir, delete it"
-                )
-            if host == self.owner["host"] and not _pid_alive(pid):
-                logging.warning(
-                    "taking over the stale lock %s of pid %d on %s (not running)",
-                    self.path,
-                    pid,
-                    host,
-                )
-                self.path.unlink(missing_ok=True)
-                continue
-            remote = "" if host == self.owner["host"] else "; if that run is gone, delete the lock"
-            raise WorkdirLockedError(
-                f"workdir {self.path.parent} is in use by pid {pid} on host {host} "
-                f"(lock {self.path}); wait for it to finish, stop it, or use another "
-                f"--workdir{remote}"
-            )
-        raise WorkdirLockedError(f"could not take {self.path}: it keeps changing hands")
-
-    def release(self) -> None:
-        """Removes the lock file if it is still ours."""
-        if not self.held:
-            return
-        self.held = False
-        holder = self._holder()
-        if holder and all(holder.get(k) == v for k, v in self.owner.items()):
-            self.path.unlink(missing_ok=True)
-        else:
-            logging.warning("%s is no longer ours (%s); left in place", self.path, holder)
-
-    def __enter__(self) -> WorkdirLock:
-        return self.acquire()
-
-    def __exit__(self, *exc) -> None:
-        self.release()
-
-
-class _StopRequest:
-    """Turns the first SIGINT / SIGTERM into a flag the loop polls between steps.
-
-    Stopping between steps keeps the (donated) train state valid for the final save;
-    the second signal restores the default handlers, so another Ctrl-C aborts at once.
-    """
-
-    _SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self):
-        self.requested = False
-        self.signal: str | None = None
-        self._previous = {}
-
-    def __enter__(self) -> _StopRequest:
-        try:
-            self._previous = {s: signal.signal(s, self._handle) for s in self._SIGNALS}
-        except ValueError:  # not the main thread: no signal handling, stop only when done
-            self._previous = {}
-        return self
-
-    def _handle(self, signum, frame):
-        del frame
-        logging.warning(
-            "%s: stopping at the next step boundary and saving a checkpoint "
-            "(again to abort without saving)",
-            signal.Signals(signum).name,
-        )
-        self.requested = True
-        self.signal = signal.Signals(signum).name
-        self._restore()
-
-    def _restore(self):
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
-        self._previous = {}
-
-    def __exit__(self, *exc) -> None:
-        self._restore()
-
-    def agreed(self) -> bool:
-        """Whether any process was asked to stop (a collective when multi-host)."""
-        if jax.process_count() == 1:
-            return self.requested
-        return bool(np.any(multihost_utils.process_allgather(np.asarray(self.requested))))
 
 
 def _global_batch(local: dict[str, np.ndarray], placement, global_rows: int) -> dict:
@@ -296,23 +127,6 @@ class _Evaluator:
         return float(np.mean(jax.device_get(ces)))
 
 
-def _check_schedule(saved_total: int, cfg: TrainConfig, step: int, opts: RunOptions) -> None:
-    """Refuses a resume that changes `optim.total_steps` (unless allowed) or goes back."""
-    total = cfg.optim.total_steps
-    if total < step:
-        raise ScheduleChangeError(
-            f"--steps={total} is below the checkpoint's step {step}: the run is already past "
-            "it (use a fresh workdir for a shorter run)"
-        )
-    if total != saved_total and not opts.allow_schedule_change:
-        raise ScheduleChangeError(
-            f"optim.total_steps={total} differs from the checkpoint's {saved_total} (step "
-            f"{step}): the LR schedule ends at total_steps, so this changes the LR from step "
-            f"{step} on; pass --allow_schedule_change to continue on the new schedule, or "
-            f"--steps={saved_total}"
-        )
-
-
 def _restore_or_init(cfg, mesh, ckpt, train_iter, opts) -> train.TrainState:
     """The newest checkpoint's state (and data position) if resuming, else a fresh state.
 
@@ -333,28 +147,19 @@ def _restore_or_init(cfg, mesh, ckpt, train_iter, opts) -> train.TrainState:
         config=config_to_dict(cfg),
         ignore_keys=RESUME_IGNORE_KEYS,
     )
-    saved = ckpt.saved_config(restored.step)
-    _check_schedule(saved["optim"]["total_steps"], cfg, restored.step, opts)
-    if saved["optim"]["total_steps"] != cfg.optim.total_steps:
+    saved_total = ckpt.saved_config(restored.step)["optim"]["total_steps"]
+    total = cfg.optim.total_steps
+    check_schedule(saved_total, total, restored.step, opts.allow_schedule_change)
+    if saved_total != total:
         logging.warning(
             "schedule changed on resume: total_steps %d -> %d from step %d",
-            saved["optim"]["total_steps"],
-            cfg.optim.total_steps,
+            saved_total,
+            total,
             restored.step,
         )
     train_iter.set_state(restored.data_state)
     logging.info("resumed from checkpoint step %d in %s", restored.step, ckpt.directory)
     return restored.state
-
-
-def _all_finite(tree) -> jax.Array:
-    """Whether every floating-point leaf of `tree` is finite (one scalar)."""
-    leaves = [
-        jnp.all(jnp.isfinite(x))
-        for x in jax.tree.leaves(tree)
-        if jnp.issubdtype(x.dtype, jnp.inexact)
-    ]
-    return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
 
 
 def run(cfg: TrainConfig, opts: RunOptions) -> dict[str, Any]:
@@ -382,7 +187,7 @@ def run(cfg: TrainConfig, opts: RunOptions) -> dict[str, Any]:
         after the last good step.
       FileNotFoundError: `opts.data_dir` is not a prepared corpus.
     """
-    with _StopRequest() as stop:
+    with StopRequest() as stop:
         logging.info("run %s: Ctrl-C / SIGTERM saves a checkpoint and exits", opts.workdir)
         # Process 0 locks the (shared) workdir; the others follow its lead.
         lock = WorkdirLock(opts.workdir) if jax.process_index() == 0 else None
@@ -420,7 +225,7 @@ class _Trainer:
         )
         self.placement = sharding.batch_sharding(mesh)
         self.state_finite = jax.jit(
-            _all_finite,
+            all_finite,
             out_shardings=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()),
         )
         data_cfg = input_pipeline.DataConfig(
@@ -451,7 +256,7 @@ class _Trainer:
         # (step, its metrics) not yet checked for finite loss / grad norm.
         self.unchecked: list[tuple[int, dict[str, jax.Array]]] = []
 
-    def train(self, stop: _StopRequest) -> dict[str, Any]:
+    def train(self, stop: StopRequest) -> dict[str, Any]:
         """Runs the loop to the end, `stop_at` or a stop request; saves; returns the summary."""
         cfg, total = self.cfg, self.cfg.optim.total_steps
         pending: list[dict[str, jax.Array]] = []

@@ -1,4 +1,4 @@
-"""The training loop's guards: workdir lock, divergence, checks before writes, schedule.
+"""The training loop's guards in a run: workdir lock, divergence, checks before writes, schedule.
 
 In-process `trainer.run` calls on a one-layer model (seq 16, batch 2) over the small
 prepared corpus of conftest; the end-to-end CLI runs are in tests/experiments.
@@ -7,16 +7,13 @@ prepared corpus of conftest; the end-to-end CLI runs are in tests/experiments.
 import dataclasses
 import json
 import shutil
-import socket
-import subprocess
-import sys
 
 import jax
 import numpy as np
 import pytest
 
 from tests.corpora import prepare_byte_corpus, write_text_corpus
-from twell_jax import checkpoint, trainer
+from twell_jax import checkpoint, run_guards, trainer
 from twell_jax import config as C
 
 
@@ -57,54 +54,20 @@ def _copy(src, tmp_path):
     return dst
 
 
-def _dead_pid() -> int:
-    proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    proc.wait()
-    return proc.pid
-
-
-# --- workdir lock -------------------------------------------------------------------
-
-
-def test_lock_is_exclusive_names_the_holder_and_is_released(tmp_path):
-    with trainer.WorkdirLock(tmp_path / "w") as lock:
-        holder = json.loads(lock.path.read_text())
-        assert holder["host"] == socket.gethostname() and holder["pid"] == lock.owner["pid"]
-        with pytest.raises(trainer.WorkdirLockedError, match=f"pid {holder['pid']} on host"):
-            trainer.WorkdirLock(tmp_path / "w").acquire()
-    assert not (tmp_path / "w" / trainer.LOCK_FILE).exists()
-
-
-def test_stale_lock_of_this_host_is_taken_over(tmp_path):
-    path = tmp_path / trainer.LOCK_FILE
-    path.write_text(json.dumps({"host": socket.gethostname(), "pid": _dead_pid()}))
-    with trainer.WorkdirLock(tmp_path) as lock:
-        assert json.loads(path.read_text())["pid"] == lock.owner["pid"]
-    assert not path.exists()
-
-
-def test_lock_of_another_host_or_unreadable_is_refused(tmp_path):
-    path = tmp_path / trainer.LOCK_FILE
-    path.write_text(json.dumps({"host": "elsewhere", "pid": _dead_pid()}))
-    with pytest.raises(trainer.WorkdirLockedError, match=r"on host elsewhere.*delete the lock"):
-        trainer.WorkdirLock(tmp_path).acquire()
-    path.write_text("")
-    with pytest.raises(trainer.WorkdirLockedError, match="names no holder"):
-        trainer.WorkdirLock(tmp_path).acquire()
-    assert path.read_text() == ""  # a refused lock is left alone
+# --- workdir lock ---------------------------------------------------------------
 
 
 def test_run_refuses_a_locked_workdir_and_releases_on_errors(tmp_path, data_dir):
     workdir = tmp_path / "run"
     opts = trainer.RunOptions(str(workdir), data_dir)
-    with trainer.WorkdirLock(workdir):
-        with pytest.raises(trainer.WorkdirLockedError, match="in use by pid"):
+    with run_guards.WorkdirLock(workdir):
+        with pytest.raises(run_guards.WorkdirLockedError, match="in use by pid"):
             trainer.run(tiny_config(), opts)
         assert not (workdir / trainer.CONFIG_FILE).exists()
     # An error inside the run (no corpus) still removes the lock.
     with pytest.raises(FileNotFoundError):
         trainer.run(tiny_config(), dataclasses.replace(opts, data_dir=str(tmp_path / "none")))
-    assert not (workdir / trainer.LOCK_FILE).exists()
+    assert not (workdir / run_guards.LOCK_FILE).exists()
 
 
 # --- divergence guard ---------------------------------------------------------------
@@ -115,7 +78,7 @@ def test_nonfinite_loss_stops_before_saving_and_keeps_good_checkpoints(tmp_path,
     cfg = tiny_config(steps=30, lr=1e30, checkpoint_every=1)
     cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, clip_norm=1e30))
     workdir = tmp_path / "run"
-    with pytest.raises(trainer.DivergenceError) as err:
+    with pytest.raises(run_guards.DivergenceError) as err:
         trainer.run(cfg, trainer.RunOptions(str(workdir), data_dir, max_to_keep=None))
     e = err.value
     assert 1 < e.step < 30 and e.metric in ("loss", "grad_norm", "state")
@@ -130,7 +93,7 @@ def test_nonfinite_loss_stops_before_saving_and_keeps_good_checkpoints(tmp_path,
         restored = ckpt.restore(train.abstract_train_state(cfg, mesh))
         leaves = [np.asarray(x) for x in jax.tree.leaves(restored.state)]
         assert all(np.isfinite(x).all() for x in leaves if np.issubdtype(x.dtype, np.inexact))
-    assert not (workdir / trainer.LOCK_FILE).exists()
+    assert not (workdir / run_guards.LOCK_FILE).exists()
 
 
 # --- every check before any write; schedule changes ---------------------------------
@@ -145,17 +108,17 @@ def test_rejected_resume_leaves_config_json_unchanged(tmp_path, finished, data_d
         trainer.run(tiny_config(lr=1e-2), opts)
     with pytest.raises(ValueError, match="resume is off"):
         trainer.run(tiny_config(lr=1e-2), dataclasses.replace(opts, resume=False))
-    with pytest.raises(trainer.ScheduleChangeError, match="--allow_schedule_change"):
+    with pytest.raises(run_guards.ScheduleChangeError, match="--allow_schedule_change"):
         trainer.run(tiny_config(steps=4), opts)
     assert (workdir / trainer.CONFIG_FILE).read_bytes() == before
     assert (workdir / "metrics.jsonl").read_bytes() == metrics_before
-    assert not (workdir / trainer.LOCK_FILE).exists()
+    assert not (workdir / run_guards.LOCK_FILE).exists()
 
 
 def test_steps_below_the_checkpoint_is_an_error(tmp_path, finished, data_dir):
     workdir = _copy(finished, tmp_path)
     opts = trainer.RunOptions(str(workdir), data_dir, allow_schedule_change=True)
-    with pytest.raises(trainer.ScheduleChangeError, match="below the checkpoint's step 2"):
+    with pytest.raises(run_guards.ScheduleChangeError, match="below the checkpoint's step 2"):
         trainer.run(tiny_config(steps=1), opts)
     # The same total is a finished run: nothing to do.
     assert trainer.run(tiny_config(), opts)["step"] == 2
