@@ -12,7 +12,7 @@ $(VENV)/.installed: pyproject.toml
 	@test -n "$(PY312)" || (echo "Python 3.12 not found: install python3.12 (jax 0.11.2 needs >= 3.12)"; exit 1)
 	$(PY312) -m venv $(VENV)
 	$(PYTHON) -m pip install -q --upgrade pip
-	$(PYTHON) -m pip install -q -e '.[test,bpe]'
+	$(PYTHON) -m pip install -q -e '.[test,bpe,hf]'
 	touch $@
 
 # Main job on the embedded default corpus (tiny model, CPU).
