@@ -7,12 +7,20 @@ renames it when complete, so an interrupted save never replaces or loses an earl
 
 On resume, `restore()` compares the saved config with the current one (ignoring fields that
 may legitimately change, e.g. total steps) and, if the latest step cannot be read, falls back
-to the newest readable one and moves the unreadable directories aside (never deletes them).
+to the newest readable one and moves the unreadable directories aside (never deletes them),
+logging one line per step moved and writing the full error into the moved directory. What
+Orbax and TensorStore print about a failed read is held back and dropped (`_QuietReads`).
 """
 
+import asyncio
+import gc
+import io
+import logging as py_logging
 import os
+import sys
 import time
-from collections.abc import Iterable, Mapping
+import traceback
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -33,14 +41,79 @@ DEFAULT_IGNORE_KEYS = (
     "checkpoint_every",
 )
 CORRUPT_SUFFIX = ".corrupt"
+# Written into a moved-aside step directory: the full error of the failed read.
+ERROR_FILE = "restore_error.txt"
+# Longest error message kept in a log line (TensorStore's own messages are one line).
+_BRIEF_CHARS = 300
 
 
 class CheckpointCorruptError(ValueError):
-    """A checkpoint step could not be read; the message names the step and its path."""
+    """A checkpoint step could not be read.
 
-    def __init__(self, message: str, step: int | None = None):
+    The message is one line: the step, its path, the item and the innermost error's type
+    and first line. `details` holds the full error chain as text (no live objects: the
+    failed read's coroutines can then be collected at once, see `_QuietReads`).
+    """
+
+    def __init__(self, message: str, step: int | None = None, details: str = ""):
         super().__init__(message)
         self.step = step
+        self.details = details or message
+
+
+class _QuietReads:
+    """Holds back what Orbax, TensorStore and asyncio print during a restore; drops it
+    if a read failed.
+
+    A failed TensorStore read abandons the other reads of the same restore on a closed
+    asyncio loop: their callbacks print "Event loop is closed" tracebacks to sys.stderr,
+    the coroutines report "Exception ignored" through sys.unraisablehook when collected,
+    and asyncio logs "Task exception was never retrieved", each with the TensorStore spec
+    (thousands of lines for one truncated step). Inside the context sys.stderr is a
+    buffer, unraisable exceptions are written into it and the asyncio logger's records
+    are held. On exit, after a `failed()` call (or a CheckpointCorruptError), the garbage
+    is collected inside the context, so the abandoned coroutines report into the buffer,
+    and everything held is dropped (counted at debug level); otherwise it is replayed.
+    Everything that writes to sys.stderr in these seconds is held too, so no log line
+    of the caller's is written inside.
+    """
+
+    def __enter__(self) -> "_QuietReads":
+        self._failed = False
+        self._buffer = io.StringIO()
+        self._records: list[py_logging.LogRecord] = []
+        self._stderr, self._unraisablehook = sys.stderr, sys.unraisablehook
+        sys.stderr, sys.unraisablehook = self._buffer, sys.__unraisablehook__
+        py_logging.getLogger(asyncio.__name__).addFilter(self._hold)
+        return self
+
+    def _hold(self, record: py_logging.LogRecord) -> bool:
+        self._records.append(record)
+        return False
+
+    def failed(self) -> None:
+        """Marks the output held so far and until exit as a failed read's: dropped."""
+        self._failed = True
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None and issubclass(exc_type, CheckpointCorruptError):
+            self._failed = True
+        if self._failed:
+            gc.collect()  # the abandoned read coroutines report now, into the buffer
+        asyncio_logger = py_logging.getLogger(asyncio.__name__)
+        asyncio_logger.removeFilter(self._hold)
+        sys.stderr, sys.unraisablehook = self._stderr, self._unraisablehook
+        text, records = self._buffer.getvalue(), self._records
+        if self._failed:
+            logging.debug(
+                "dropped %d lines and %d asyncio records of failed checkpoint reads",
+                text.count("\n"),
+                len(records),
+            )
+            return
+        sys.stderr.write(text)
+        for record in records:
+            asyncio_logger.handle(record)
 
 
 class Restored(NamedTuple):
@@ -123,12 +196,8 @@ class Checkpointer:
         Raises:
           CheckpointCorruptError: the step's config item is unreadable.
         """
-        try:
-            return self._manager.restore(
-                step, args=ocp.args.Composite(config=ocp.args.JsonRestore())
-            ).config
-        except Exception as e:  # Orbax/tensorstore raise many types for broken files
-            raise _corrupt(step, self.directory / str(step), "config", e) from e
+        args = ocp.args.Composite(config=ocp.args.JsonRestore())
+        return self._read(step, "config", lambda: self._manager.restore(step, args=args).config)
 
     def restore(
         self,
@@ -144,8 +213,9 @@ class Checkpointer:
           abstract_state: pytree like the saved state whose leaves are jax.ShapeDtypeStruct
             with `.sharding` (or jax.Arrays, whose sharding is used).
           step: the step to restore; None restores the newest readable step, falling back to
-            older ones (with a warning) and renaming unreadable newer step directories to
-            `<step>.corrupt` so training can save those steps again.
+            older ones and renaming unreadable newer step directories to
+            `<step>.corrupt-<time>` so training can save those steps again (one warning
+            line per step moved; the full error goes to `ERROR_FILE` inside it).
           config: the current config; if given, it must equal the saved one except for
             `ignore_keys`.
           ignore_keys: config keys (dotted paths or last components) allowed to differ.
@@ -166,19 +236,22 @@ class Checkpointer:
                 raise FileNotFoundError(
                     f"no checkpoint for step {step} in {self.directory} (steps: {steps})"
                 )
-            return self._restore_checked(step, abstract_state, config, ignore_keys)
+            with _QuietReads():
+                return self._restore_checked(step, abstract_state, config, ignore_keys)
         if not steps:
             raise FileNotFoundError(f"no checkpoint in {self.directory}")
-        errors = []
-        for candidate in reversed(steps):
-            try:
-                restored = self._restore_checked(candidate, abstract_state, config, ignore_keys)
-            except CheckpointCorruptError as e:
-                logging.warning("%s; trying an older step", e)
-                errors.append(e)
-                continue
+        errors, restored = [], None
+        with _QuietReads() as quiet:
+            for candidate in reversed(steps):
+                try:
+                    restored = self._restore_checked(candidate, abstract_state, config, ignore_keys)
+                    break
+                except CheckpointCorruptError as e:
+                    quiet.failed()
+                    errors.append(e)
+        if restored is not None:
             for bad in errors:
-                self._quarantine(bad.step)
+                self._quarantine(bad, restored.step)
             return restored
         # Every step failing suggests the target (e.g. a changed model), not the files, is at
         # fault; keep every step in place.
@@ -209,44 +282,69 @@ class Checkpointer:
         ignore_keys: Iterable[str],
     ) -> Restored:
         """Restores one step; unreadable files become CheckpointCorruptError."""
-        path = self.directory / str(step)
         saved_config = self.saved_config(step)
         if config is not None:
             check_config(saved_config, config, ignore_keys, where=f"checkpoint step {step}")
-        try:
-            saved_shapes = _shapes(self._manager.item_metadata(step).state)
-        except Exception as e:
-            raise _corrupt(step, path, "state metadata", e) from e
-        _check_shapes(saved_shapes, _shapes(abstract_state), step)
-        try:
-            restored = self._manager.restore(
-                step,
-                args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract_state),
-                    data=ocp.args.JsonRestore(),
-                ),
-            )
-        except Exception as e:
-            raise _corrupt(step, path, "state/data", e) from e
+        metadata = self._read(step, "state metadata", lambda: self._manager.item_metadata(step))
+        _check_shapes(_shapes(metadata.state), _shapes(abstract_state), step)
+        args = ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()
+        )
+        restored = self._read(step, "state/data", lambda: self._manager.restore(step, args=args))
         return Restored(restored.state, restored.data, step)
 
-    def _quarantine(self, step: int) -> None:
+    def _read(self, step: int, what: str, read: Callable[[], Any]) -> Any:
+        """`read()`, or a CheckpointCorruptError naming the step and `what` was read.
+
+        The error is raised outside the `except` block, so it carries the Orbax error
+        only as text (not as its __context__, which would keep the failed read alive).
+        """
+        try:
+            return read()
+        except Exception as e:  # Orbax/TensorStore raise many types for broken files
+            error = _corrupt(step, self.directory / str(step), what, e)
+        raise error
+
+    def _quarantine(self, error: CheckpointCorruptError, restored_step: int) -> None:
         """Renames an unreadable step directory aside so Orbax no longer lists it.
 
-        Only process 0 renames (the directory is shared); every process reloads its step list.
+        Logs one line naming the step, the error and where it went, and writes the full
+        error into the moved directory. Only process 0 renames (the directory is shared);
+        every process reloads its step list.
         """
-        src = self.directory / str(step)
-        dst = src.with_name(f"{step}{CORRUPT_SUFFIX}-{int(time.time())}")
+        src = self.directory / str(error.step)
+        dst = src.with_name(f"{error.step}{CORRUPT_SUFFIX}-{int(time.time())}")
         if jax.process_index() == 0 and src.exists():
             src.rename(dst)
-            logging.warning("moved unreadable checkpoint %s to %s", src, dst)
+            (dst / ERROR_FILE).write_text(error.details)
+            logging.warning(
+                "%s; moved to %s (full error in %s); using step %d",
+                error,
+                dst.name,
+                ERROR_FILE,
+                restored_step,
+            )
         self._manager.reload()
 
 
 def _corrupt(step: int, path: Path, what: str, e: Exception) -> CheckpointCorruptError:
-    return CheckpointCorruptError(
-        f"checkpoint step {step} at {path} is unreadable ({what}): {type(e).__name__}: {e}", step
-    )
+    message = f"checkpoint step {step} at {path} is unreadable ({what}): {_brief(e)}"
+    details = message + "\n\n" + "".join(traceback.format_exception(e))
+    return CheckpointCorruptError(message, step, details)
+
+
+def _brief(e: BaseException) -> str:
+    """`Type: first line` of the innermost error of `e`'s chain (TensorStore's own
+    message, e.g. "ValueError: OUT_OF_RANGE: Error reading ..."), on one short line."""
+    seen = {id(e)}
+    while (inner := e.__cause__ or e.__context__) is not None and id(inner) not in seen:
+        seen.add(id(inner))
+        e = inner
+    lines = str(e).strip().splitlines()
+    first = lines[0].split(" See full TensorStore details")[0] if lines else ""
+    if len(first) > _BRIEF_CHARS:
+        first = first[: _BRIEF_CHARS - 3] + "..."
+    return f"{type(e).__name__}: {first}"
 
 
 def _abstract(leaf: Any) -> Any:

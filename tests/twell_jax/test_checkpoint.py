@@ -1,5 +1,7 @@
 """Orbax checkpointer: round trip, retention, config check, corrupt and interrupted saves."""
 
+import gc
+import logging
 import shutil
 
 import jax
@@ -103,6 +105,38 @@ def test_corrupt_step_errors_and_falls_back_to_the_previous_one(tmp_path, damage
     ckpt.save(2, _state(2), {"grain": {"next_index": 2}}, CONFIG)
     ckpt.wait()
     _assert_state(ckpt.restore(target).state, 2)
+    ckpt.close()
+
+
+def test_recovery_from_a_truncated_step_logs_one_line(tmp_path, capfd, caplog):
+    """A truncated step is one warning line (step, error type), not TensorStore's noise.
+
+    Many random arrays make many concurrent reads, which a failed one abandons.
+    """
+    state = {f"w{i}": jax.random.normal(jax.random.key(i), (64, 64)) for i in range(16)}
+    ckpt = checkpoint.Checkpointer(tmp_path / "ckpt")
+    for step in (1, 2):
+        ckpt.save(step, state, {"grain": {"next_index": step}}, CONFIG)
+    ckpt.wait()
+    step_dir = tmp_path / "ckpt" / "2"
+    for p in (step_dir / "state").rglob("d/*"):
+        p.write_bytes(p.read_bytes()[:100])
+    capfd.readouterr()
+    with caplog.at_level(logging.INFO):
+        assert ckpt.restore(_abstract(state)).step == 1
+        gc.collect()  # nothing left to report later either
+    out, err = capfd.readouterr()
+    assert out.count("\n") + err.count("\n") == 0, (out + err)[-2000:]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1, warnings
+    (line,) = warnings
+    assert "\n" not in line and len(line) < 1000
+    assert f"checkpoint step 2 at {step_dir}" in line and "ValueError: " in line
+    assert "using step 1" in line
+    (moved,) = (tmp_path / "ckpt").glob("2.corrupt-*")
+    assert moved.name in line
+    details = (moved / checkpoint.ERROR_FILE).read_text()
+    assert details.startswith(line.split("; moved to")[0]) and "Traceback" in details
     ckpt.close()
 
 
