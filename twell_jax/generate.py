@@ -1,0 +1,366 @@
+"""Autoregressive generation with a preallocated KV cache (docs/design.md §11).
+
+    result = generate.generate(cfg, params, [[1, 2, 3], [4, 5]], max_new_tokens=32,
+                               sampling=generate.SamplingConfig(temperature=0.8, top_p=0.9),
+                               stop_tokens=(eos_id,))
+    result.new_token_ids   # one list per prompt, up to and including its first stop token
+
+A batch of prompts of different lengths is left-padded to P tokens (the longest,
+rounded up to a multiple of `PROMPT_BUCKET`). Each
+row carries its own RoPE positions (0 at its first real token) and an attention mask
+that hides its padding, so a row generates the same tokens alone or in any batch
+(up to float rounding). One jitted prefill runs the prompts through the model, writing
+cache slots 0..P-1, and samples the first token; each jitted decode step feeds the
+last token at slot P + t. The cache is [L, B, P + max_new_tokens, n_kv_heads,
+head_dim] in the compute dtype, updated in place (the step donates its state).
+
+Without a streaming callback the decode steps run in one `lax.while_loop` that stops
+when every row has produced a stop token; with one, a Python loop calls the jitted
+step and hands each new column of tokens to the callback.
+
+FFN (`ffn`): "dense" runs the dense XLA FFN everywhere; "sparse" runs the prefill
+through the TwELL inference kernels (`ffn_impl="twell"`: a ReLU FFN, bf16, kernel-
+supported widths) and the decode steps dense (a handful of tokens per step; the
+kernels target large M); "auto" is "sparse" for a model configured with
+ffn_impl="twell" and "dense" otherwise (the sparse training kernels have no
+inference advantage over dense, as in `train.make_eval_step`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from twell_jax.config import ModelConfig
+from twell_jax.model import check_token_ids, rope_angles
+from twell_jax.train import model_graphdef
+
+Params = dict[str, Any]
+FFN_MODES = ("auto", "dense", "sparse")
+# Generated-token slots after a row's stop token.
+NO_TOKEN = -1
+# Padded prompt lengths are multiples of this, so that prompts of similar lengths share
+# one compiled prefill and decode loop.
+PROMPT_BUCKET = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """How the next token is drawn from the logits.
+
+    Attributes:
+      temperature: softmax temperature; <= 0 means greedy (argmax).
+      top_k: sample among the k most likely tokens only (0: no limit).
+      top_p: sample among the most likely tokens whose probabilities sum to top_p
+        (nucleus sampling; 1: no limit).
+      vocab_limit: only ids below this are drawn (a tokenizer smaller than the model's
+        padded vocabulary); None: every id.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    vocab_limit: int | None = None
+
+    def __post_init__(self):
+        if self.top_k < 0:
+            raise ValueError(f"SamplingConfig.top_k={self.top_k}: must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingConfig.top_p={self.top_p}: must be in (0, 1]")
+        if self.vocab_limit is not None and self.vocab_limit < 1:
+            raise ValueError(f"SamplingConfig.vocab_limit={self.vocab_limit}: must be >= 1")
+
+
+def sample(logits: jax.Array, key: jax.Array, cfg: SamplingConfig) -> jax.Array:
+    """Next tokens of fp32 logits [B, V]: int32 [B]."""
+    if cfg.vocab_limit is not None:
+        logits = jnp.where(jnp.arange(logits.shape[-1]) < cfg.vocab_limit, logits, -jnp.inf)
+    if cfg.temperature <= 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / cfg.temperature
+    if 0 < cfg.top_k < logits.shape[-1]:
+        kth = jax.lax.top_k(logits, cfg.top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if cfg.top_p < 1:
+        ranked = jnp.sort(logits, axis=-1)[:, ::-1]
+        probs = jax.nn.softmax(ranked, axis=-1)
+        # Keep a token while the more likely ones hold less than top_p (the first always).
+        kept = jnp.cumsum(probs, axis=-1) - probs < cfg.top_p
+        threshold = jnp.min(jnp.where(kept, ranked, jnp.inf), axis=-1, keepdims=True)
+        logits = jnp.where(logits < threshold, -jnp.inf, logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def inference_configs(cfg: ModelConfig, ffn: str = "auto") -> tuple[ModelConfig, ModelConfig]:
+    """(prefill, decode) model configs for the `ffn` mode (module docstring).
+
+    Raises:
+      ValueError: an unknown mode, or "sparse" for a model the TwELL kernels cannot run
+        (the ModelConfig error names why).
+    """
+    if ffn not in FFN_MODES:
+        raise ValueError(f"ffn={ffn!r}: must be one of {FFN_MODES}")
+    dense = dataclasses.replace(cfg, ffn_impl="dense", remat=False)
+    if ffn == "sparse" or (ffn == "auto" and cfg.ffn_impl == "twell"):
+        return dataclasses.replace(dense, ffn_impl="twell"), dense
+    return dense, dense
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+    """Everything a decode step reads and writes (a pytree; the step donates it).
+
+    Attributes:
+      cache_k, cache_v: [L, B, T, nKV, D] compute dtype, T = P + max_new_tokens.
+      pad: [B] int32, left padding of each row (its first real slot).
+      last: [B] int32, the token the next step feeds.
+      tokens: [B, max_new_tokens] int32, generated so far (`NO_TOKEN` after a stop).
+      step: int32 scalar, tokens generated so far (the next step writes `last`'s keys
+        and values to slot P + step - 1).
+      done: [B] bool, the row has produced a stop token.
+      key: PRNG key of the sampler.
+    """
+
+    cache_k: jax.Array
+    cache_v: jax.Array
+    pad: jax.Array
+    last: jax.Array
+    tokens: jax.Array
+    step: jax.Array
+    done: jax.Array
+    key: jax.Array
+
+
+def _run_layers(model, x, cos, sin, cache_k, cache_v, slot, mask):
+    """The blocks over x [B, S, H] with the KV cache: new keys / values go to slots
+    slot..slot+S-1, queries attend to the slots `mask` [B, 1, S, T] allows.
+
+    Returns (final-norm hidden states [B, S, H], cache_k, cache_v).
+    """
+    graphdef, layers = nnx.split(model.blocks)
+    off = jnp.zeros((), bool)
+
+    def layer(carry, xs):
+        x, cache_k, cache_v = carry
+        block_state, i = xs
+        block = nnx.merge(graphdef, block_state)
+        q, k, v = block.attn.qkv(block.attn_norm(x), cos, sin)
+        at = (i, 0, slot, 0, 0)
+        cache_k = jax.lax.dynamic_update_slice(cache_k, k[None].astype(cache_k.dtype), at)
+        cache_v = jax.lax.dynamic_update_slice(cache_v, v[None].astype(cache_v.dtype), at)
+        # XLA attention: cuDNN's flash attention takes no arbitrary (left-padding) mask.
+        o = jax.nn.dot_product_attention(q, cache_k[i], cache_v[i], mask=mask, implementation="xla")
+        x = x + block.attn.output(o)
+        b, s, h = x.shape
+        out, _ = block.ffn(block.ffn_norm(x).reshape(b * s, h), off)
+        return (x + out.reshape(x.shape), cache_k, cache_v), None
+
+    n = model.cfg.n_layers
+    carry = (x, cache_k, cache_v)
+    (x, cache_k, cache_v), _ = jax.lax.scan(layer, carry, (layers, jnp.arange(n)))
+    return model.final_norm(x), cache_k, cache_v
+
+
+def _attention_mask(query_slots: jax.Array, pad: jax.Array, t: int) -> jax.Array:
+    """Which cache slots each query sees: bool [B, 1, S, T].
+
+    Query slot q of row b sees slots pad[b]..q (its real tokens so far); a padding
+    query (q < pad[b]) sees only itself, so that its softmax stays finite (its output
+    is never read).
+    """
+    keys = jnp.arange(t)[None, None, :]
+    q = query_slots[None, :, None]
+    real = (keys >= pad[:, None, None]) | (keys == q)
+    return ((keys <= q) & real)[:, None]
+
+
+def _logits(model, x: jax.Array) -> jax.Array:
+    """LM head of hidden states [B, H] -> fp32 [B, V], as `Transformer.__call__` computes it."""
+    head = model.embed if model.cfg.tie_embeddings else model.lm_head
+    return jnp.einsum("bh,vh->bv", x, head[...].astype(x.dtype)).astype(jnp.float32)
+
+
+def _embed(model, tokens: jax.Array) -> jax.Array:
+    return jnp.take(model.embed[...], tokens, axis=0).astype(model.cfg.compute_dtype)
+
+
+def _record(state: DecodeState, token: jax.Array, stop: jax.Array) -> DecodeState:
+    """Writes `token` [B] as generated token number `state.step` and advances."""
+    new = jnp.where(state.done, NO_TOKEN, token)
+    tokens = jax.lax.dynamic_update_slice(state.tokens, new[:, None], (0, state.step))
+    done = state.done | jnp.isin(token, stop)
+    return dataclasses.replace(state, last=token, tokens=tokens, step=state.step + 1, done=done)
+
+
+@functools.cache
+def _compiled(prefill_cfg: ModelConfig, decode_cfg: ModelConfig, sampling: SamplingConfig):
+    """Jitted (prefill, step, loop) for one model / sampling setup (one compile per shape)."""
+    prefill_def, decode_def = model_graphdef(prefill_cfg), model_graphdef(decode_cfg)
+    cfg = decode_cfg
+
+    def prefill(params, tokens, pad, max_new, key, stop):
+        model = nnx.merge(prefill_def, params)
+        b, p = tokens.shape
+        cols = jnp.arange(p)
+        cos, sin = rope_angles(jnp.maximum(cols - pad[:, None], 0), cfg.head_dim, cfg.rope_theta)
+        mask = _attention_mask(cols, pad, p + max_new)
+        shape = (cfg.n_layers, b, p + max_new, cfg.kv_heads, cfg.head_dim)
+        cache = jnp.zeros(shape, cfg.compute_dtype)
+        x, cache_k, cache_v = _run_layers(
+            model, _embed(model, tokens), cos, sin, cache, cache, 0, mask
+        )
+        key, sub = jax.random.split(key)
+        first = sample(_logits(model, x[:, -1]), sub, sampling)
+        state = DecodeState(
+            cache_k=cache_k,
+            cache_v=cache_v,
+            pad=pad,
+            last=first,
+            tokens=jnp.full((b, max_new), NO_TOKEN, jnp.int32),
+            step=jnp.zeros((), jnp.int32),
+            done=jnp.zeros((b,), bool),
+            key=key,
+        )
+        return _record(state, first, stop)
+
+    def step(params, state, stop):
+        model = nnx.merge(decode_def, params)
+        t = state.cache_k.shape[2]
+        slot = t - state.tokens.shape[1] + state.step - 1  # P + step - 1: `last`'s slot
+        pos = (slot - state.pad)[:, None]  # [B, 1]
+        cos, sin = rope_angles(pos, cfg.head_dim, cfg.rope_theta)
+        mask = _attention_mask(slot[None], state.pad, t)
+        x, cache_k, cache_v = _run_layers(
+            model,
+            _embed(model, state.last[:, None]),
+            cos,
+            sin,
+            state.cache_k,
+            state.cache_v,
+            slot,
+            mask,
+        )
+        key, sub = jax.random.split(state.key)
+        token = sample(_logits(model, x[:, 0]), sub, sampling)
+        state = dataclasses.replace(state, cache_k=cache_k, cache_v=cache_v, key=key)
+        return _record(state, token, stop)
+
+    def loop(params, state, stop):
+        def more(s):
+            return (s.step < s.tokens.shape[1]) & ~jnp.all(s.done)
+
+        return jax.lax.while_loop(more, lambda s: step(params, s, stop), state)
+
+    return (
+        jax.jit(prefill, static_argnames="max_new"),
+        jax.jit(step, donate_argnums=1),
+        jax.jit(loop, donate_argnums=1),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """What `generate` returns, one entry per prompt.
+
+    Attributes:
+      prompt_ids: the prompts as given.
+      new_token_ids: the generated ids, up to and including the first stop token.
+    """
+
+    prompt_ids: list[list[int]]
+    new_token_ids: list[list[int]]
+
+
+def _left_pad(prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Prompts -> (tokens int32 [B, P] right-aligned, pad int32 [B]); padding id 0.
+
+    P is the longest prompt rounded up to a multiple of `PROMPT_BUCKET`.
+    """
+    p = -(-max(len(row) for row in prompts) // PROMPT_BUCKET) * PROMPT_BUCKET
+    tokens = np.zeros((len(prompts), p), np.int32)
+    for b, row in enumerate(prompts):
+        tokens[b, p - len(row) :] = row
+    return tokens, np.asarray([p - len(row) for row in prompts], np.int32)
+
+
+def _check_prompts(cfg: ModelConfig, prompts: list[list[int]], max_new_tokens: int) -> None:
+    """Host-side checks before anything is jitted (jitted code cannot raise on values)."""
+    if not prompts:
+        raise ValueError("no prompts")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 1")
+    for b, row in enumerate(prompts):
+        if not row:
+            raise ValueError(f"prompt {b} is empty: a prompt needs at least one token")
+        check_token_ids(np.asarray(row), cfg.vocab_size, name=f"prompts[{b}]")
+    longest = max(len(row) for row in prompts)
+    if longest + max_new_tokens > cfg.seq_len:
+        raise ValueError(
+            f"the longest prompt ({longest} tokens) + max_new_tokens={max_new_tokens} exceeds "
+            f"the model's context seq_len={cfg.seq_len}"
+        )
+
+
+def _trim(tokens: np.ndarray) -> list[list[int]]:
+    """Generated [B, max_new] -> per-row lists without the `NO_TOKEN` tail."""
+    return [[int(t) for t in row if t != NO_TOKEN] for row in tokens]
+
+
+def generate(
+    cfg: ModelConfig,
+    params: Params,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    sampling: SamplingConfig = SamplingConfig(),
+    stop_tokens: Sequence[int] = (),
+    seed: int = 0,
+    ffn: str = "auto",
+    on_tokens: Callable[[np.ndarray], None] | None = None,
+) -> Generation:
+    """Generates up to `max_new_tokens` after each prompt (module docstring).
+
+    Args:
+      cfg: the model config; params: `Transformer(cfg)`'s pure-dict parameters.
+      prompts: B token-id lists, each non-empty, any lengths.
+      max_new_tokens: tokens to generate per prompt; the longest prompt plus this must
+        fit in cfg.seq_len.
+      sampling: greedy by default.
+      stop_tokens: a row stops after producing one of these ids.
+      seed: PRNG seed of the sampler.
+      ffn: "auto", "dense" or "sparse" (module docstring).
+      on_tokens: streaming: called with each new column of tokens, int32 numpy [B]
+        (`NO_TOKEN` for rows already stopped), as soon as it is produced.
+
+    Returns:
+      A `Generation`.
+
+    Raises:
+      ValueError: an empty prompt list or prompt, an id outside [0, vocab_size) (named
+        with its prompt and position), too long a generation, or an unusable `ffn`.
+    """
+    prompts = [[int(t) for t in row] for row in prompts]
+    _check_prompts(cfg, prompts, max_new_tokens)
+    prefill, step, loop = _compiled(*inference_configs(cfg, ffn), sampling)
+    tokens, pad = _left_pad(prompts)
+    stop = jnp.asarray(list(stop_tokens), jnp.int32)
+    key = jax.random.key(seed)
+    state = prefill(params, tokens, pad, max_new_tokens, key, stop)
+    if on_tokens is None:
+        state = loop(params, state, stop)
+    else:
+        on_tokens(np.asarray(state.tokens[:, 0]))
+        for t in range(1, max_new_tokens):
+            if bool(np.all(np.asarray(state.done))):
+                break
+            state = step(params, state, stop)
+            on_tokens(np.asarray(state.tokens[:, t]))
+    return Generation(prompt_ids=prompts, new_token_ids=_trim(np.asarray(state.tokens)))
