@@ -12,10 +12,11 @@
    different `optim.total_steps` a `ScheduleChangeError` unless
    `opts.allow_schedule_change`). Every check runs before anything is written:
    `config.json` and `metrics.jsonl` are only (re)written once the resume is accepted;
-4. trains to `cfg.optim.total_steps` (or `opts.stop_at`), logging a progress line and
-   a `metrics.jsonl` record every `log_every` steps, evaluating the val CE every
-   `eval_every` steps (and re-plotting `metrics.png`), and saving asynchronous
-   checkpoints every `checkpoint_every` steps and at the end;
+4. trains to `cfg.optim.total_steps` (or `opts.stop_at`), logging a progress line (with
+   the elapsed time and the ETA of `twell_jax.progress`) and a `metrics.jsonl` record
+   every `log_every` steps, evaluating the val CE every `eval_every` steps (and
+   re-plotting `metrics.png`), and saving asynchronous checkpoints every
+   `checkpoint_every` steps and at the end;
 5. checks that the loss and gradient norm of every step are finite (at each log,
    eval and save, so the loop is not synchronised every step) and that the state is
    finite before each save: a non-finite value raises `DivergenceError` without
@@ -41,7 +42,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from twell_jax import checkpoint, corpus, input_pipeline, metrics, sharding, train
+from twell_jax import checkpoint, corpus, input_pipeline, metrics, progress, sharding, train
 from twell_jax.config import TrainConfig, config_to_dict
 from twell_jax.run_guards import (
     DivergenceError,
@@ -162,7 +163,9 @@ def _restore_or_init(cfg, mesh, ckpt, train_iter, opts) -> train.TrainState:
     return restored.state
 
 
-def run(cfg: TrainConfig, opts: RunOptions) -> dict[str, Any]:
+def run(
+    cfg: TrainConfig, opts: RunOptions, clock: progress.Clock = time.perf_counter
+) -> dict[str, Any]:
     """Trains (or resumes training) to `cfg.optim.total_steps`, or until SIGINT / SIGTERM.
 
     The signal handlers are installed first, so a Ctrl-C while data loads or the step
@@ -171,6 +174,7 @@ def run(cfg: TrainConfig, opts: RunOptions) -> dict[str, Any]:
     Args:
       cfg: the resolved run config.
       opts: run directory, data directory, checkpoint retention, resume switch.
+      clock: seconds, like `time.perf_counter` (the progress lines' times and ETA).
 
     Returns:
       Summary dict: `step` reached, `interrupted` (and then `signal`, e.g. "SIGINT"),
@@ -194,7 +198,7 @@ def run(cfg: TrainConfig, opts: RunOptions) -> dict[str, Any]:
         if lock:
             lock.acquire()
         try:
-            trainer = _Trainer(cfg, opts)
+            trainer = _Trainer(cfg, opts, clock)
             try:
                 return trainer.train(stop)
             finally:
@@ -207,8 +211,8 @@ def run(cfg: TrainConfig, opts: RunOptions) -> dict[str, Any]:
 class _Trainer:
     """One run's state and outputs; `train` is the loop, the other methods its steps."""
 
-    def __init__(self, cfg: TrainConfig, opts: RunOptions):
-        self.cfg, self.opts = cfg, opts
+    def __init__(self, cfg: TrainConfig, opts: RunOptions, clock: progress.Clock):
+        self.cfg, self.opts, self.clock = cfg, opts, clock
         self.workdir = Path(opts.workdir)
         self.lead = jax.process_index() == 0
         meta = corpus.load_meta(opts.data_dir)
@@ -260,7 +264,7 @@ class _Trainer:
         """Runs the loop to the end, `stop_at` or a stop request; saves; returns the summary."""
         cfg, total = self.cfg, self.cfg.optim.total_steps
         pending: list[dict[str, jax.Array]] = []
-        interval_start, interval_steps, compiled = time.perf_counter(), 0, False
+        timer, compiled = progress.RunTimer(total, clock=self.clock), False
         while self.step < total:
             batch = _global_batch(next(self.train_iter), self.placement, cfg.batch_size)
             self.state, step_metrics = self.train_step(self.state, batch)
@@ -271,32 +275,24 @@ class _Trainer:
                 # The first step compiles; time it apart so that tokens/s is throughput.
                 jax.block_until_ready(step_metrics)
                 compiled = True
-                logging.info(
-                    "step %d: compiled and ran in %.1f s",
-                    self.step,
-                    time.perf_counter() - interval_start,
-                )
-                interval_start = time.perf_counter()
+                seconds = timer.compiled(self.step)
+                logging.info("step %d: compiled and ran in %.1f s", self.step, seconds)
             else:
-                interval_steps += 1
+                timer.count_step()
 
             log_now = self.step % cfg.log_every == 0 or self.step == total
             if log_now:
                 # Dispatch is asynchronous: wait for the device before reading the clock.
                 jax.block_until_ready(pending[-1])
-                elapsed = time.perf_counter() - interval_start
+                steps, seconds = timer.interval()
                 self._check_finite()
-                self._log(
-                    pending,
-                    interval_steps * cfg.tokens_per_step / elapsed if interval_steps else None,
-                )
-                pending, interval_steps = [], 0
-                interval_start = time.perf_counter()
+                tokens_per_s = steps * cfg.tokens_per_step / seconds if steps else None
+                self._log(pending, tokens_per_s, timer.text(self.step))
+                pending = []
             if self.evaluate.enabled and (self.step % cfg.eval_every == 0 or self.step == total):
                 jax.block_until_ready(self.state.step)  # pending train steps are train time
-                t0 = time.perf_counter()
-                self._eval()
-                interval_start += time.perf_counter() - t0  # not training time
+                with timer.excluded():  # not training time
+                    self._eval()
             if self.step % cfg.checkpoint_every == 0:
                 self._save()
             if self.opts.stop_at and self.step >= self.opts.stop_at:
@@ -314,12 +310,14 @@ class _Trainer:
         self.summary["step"] = self.step
         return self.summary
 
-    def _log(self, pending: list[dict[str, jax.Array]], tokens_per_s: float | None) -> None:
-        """Reduces the interval's metrics, prints and records them."""
+    def _log(
+        self, pending: list[dict[str, jax.Array]], tokens_per_s: float | None, timing: str
+    ) -> None:
+        """Reduces the interval's metrics, prints them with `timing` and records them."""
         host = [train.host_metrics(m) for m in pending]
         record = metrics.reduce_interval(host, self.step, tokens_per_s)
         line = metrics.format_train_line(record, self.cfg.optim.total_steps, self.cfg.model.d_ff)
-        logging.info("%s", line)
+        logging.info("%s  %s", line, timing)
         if self.writer:
             self.writer.write(record)
         self.summary.update(
@@ -348,14 +346,14 @@ class _Trainer:
 
     def _eval(self) -> None:
         self._check_finite()
-        t0 = time.perf_counter()
+        t0 = self.clock()
         val_ce = self.evaluate(self.state.params)
         logging.info(
             "step %6d  val ce %.4f  (%d batches, %.1f s)",
             self.step,
             val_ce,
             self.cfg.eval_batches,
-            time.perf_counter() - t0,
+            self.clock() - t0,
         )
         if self.writer:
             self.writer.write({"step": self.step, "kind": "eval", "val_ce": val_ce})

@@ -8,6 +8,7 @@ so only the first one pays for compiling the train and eval steps.
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -144,6 +145,8 @@ def test_run_writes_outputs(straight):
     workdir, out = straight
     assert "resolved config" in out
     assert "sparsity" in out and "tok/s" in out
+    # The last progress line: elapsed time and (nothing left) ETA.
+    assert re.search(r"step +6/6 .*tok/s .* elapsed \d+s  eta 0s", out), out[-3000:]
     assert sorted(train_ce(workdir)) == [1, 2, 3, 4, 5, 6]
     assert sorted(val_ce(workdir)) == [3, 6]
     last = metrics.read_metrics(workdir / metrics.METRICS_FILE)[-2]  # step 6, before eval
