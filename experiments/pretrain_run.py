@@ -1,0 +1,55 @@
+"""Reads what a pretrain workdir holds: its config, newest parameters and tokenizer.
+
+Shared by `experiments.hf_convert` and `experiments.generate` (flag-free, so both CLIs
+can import it). A workdir (`experiments.pretrain --workdir`) holds checkpoints/ (each
+step with its config); the tokenizer is recorded by the prepared corpus it trained on
+(`<data_dir>/meta.json`: "byte", or a tokenizer.json copied into data_dir), which the
+workdir does not name, hence the `data_dir` argument.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from twell_jax import checkpoint, corpus, sharding, train, trainer
+from twell_jax import tokenizer as tokenizer_lib
+from twell_jax.config import TrainConfig, train_config_from_dict
+
+
+def load_params(workdir: str | Path) -> tuple[TrainConfig, dict[str, Any], int]:
+    """(the run's config, its newest parameters as saved (fp32 masters), that step).
+
+    The config is the one saved with that checkpoint step. The whole train state is
+    restored (the checkpoint API restores it whole: about 3x the parameters' memory,
+    optimizer moments included) onto one device; only the parameters are kept.
+
+    Raises:
+      FileNotFoundError: `workdir` has no checkpoints.
+    """
+    directory = Path(workdir) / trainer.CHECKPOINT_DIR
+    if not directory.is_dir():  # the Checkpointer would create it
+        raise FileNotFoundError(f"{directory}: not a pretrain workdir (no checkpoints)")
+    # Generation and export are single-device code: restore onto the first device.
+    mesh = sharding.make_mesh(1, 1, devices=jax.devices()[:1])
+    with checkpoint.Checkpointer(directory) as ckpt:
+        step = ckpt.latest_step()
+        if step is None:
+            raise FileNotFoundError(f"{directory}: no checkpoint")
+        cfg = train_config_from_dict(ckpt.saved_config(step))
+        restored = ckpt.restore(train.abstract_train_state(cfg, mesh), step)
+    return cfg, restored.state.params, restored.step
+
+
+def tokenizer_of_corpus(data_dir: str | Path) -> tokenizer_lib.Tokenizer:
+    """The tokenizer `data_dir` was prepared with (its meta.json entry).
+
+    Raises:
+      FileNotFoundError: `data_dir` is not a prepared corpus.
+    """
+    spec = corpus.load_meta(data_dir)["tokenizer"]["spec"]
+    if spec != tokenizer_lib.BYTE_SPEC:
+        spec = str(Path(data_dir) / spec)  # recorded relative to data_dir
+    return tokenizer_lib.load_tokenizer(spec)

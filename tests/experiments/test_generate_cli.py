@@ -1,0 +1,111 @@
+"""`python -m experiments.generate` on the tiny HF fixture and on a pretrain workdir, and
+`python -m experiments.hf_convert` exporting that workdir (subprocesses: the CLIs' absl
+flags would clash with other CLIs' in one test process)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from experiments import pretrain_run
+from tests.corpora import prepare_byte_corpus, write_text_corpus
+from twell_jax import checkpoint, config, sharding, train, trainer
+from twell_jax import generate as G
+
+pytest.importorskip("safetensors")
+pytest.importorskip("tokenizers")
+
+REPO = Path(__file__).resolve().parents[2]
+HF_TINY = REPO / "tests" / "fixtures" / "hf_tiny" / "relu_gqa"
+
+
+def run(module: str, *flags: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        [sys.executable, "-m", f"experiments.{module}", *flags],
+        cwd=REPO,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if check:
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> tuple[Path, Path]:
+    """(a workdir with config.json and a step-3 checkpoint of a fresh model, its corpus)."""
+    root = tmp_path_factory.mktemp("run")
+    data_dir = root / "data"
+    prepare_byte_corpus(write_text_corpus(root)[0], data_dir)
+    model = config.model_preset(
+        "tiny", d_model=64, n_layers=2, d_ff=256, seq_len=32, n_kv_heads=2, init_std=0.2
+    )
+    cfg = config.TrainConfig(model=model, batch_size=4)
+    state = train.create_train_state(cfg, sharding.make_mesh())
+    run_dir = root / "workdir"
+    with checkpoint.Checkpointer(run_dir / trainer.CHECKPOINT_DIR, async_save=False) as ckpt:
+        ckpt.save(3, state, {}, cfg)
+    (run_dir / trainer.CONFIG_FILE).write_text(json.dumps(config.config_to_dict(cfg)))
+    return run_dir, data_dir
+
+
+@pytest.mark.slow
+def test_hf_prompt_ids_batch_matches_transformers(tmp_path):
+    golden = json.loads((HF_TINY / "greedy.json").read_text())
+    out = tmp_path / "out.json"
+    ids = ";".join(",".join(map(str, p)) for p in golden["prompts"])
+    run("generate", f"--hf_dir={HF_TINY}", f"--prompt_ids={ids}", "--max_new_tokens=8",
+        "--vocab_limit=0", f"--output_json={out}")  # fmt: skip
+    record = json.loads(out.read_text())
+    assert record["prompt_ids"] == golden["prompts"]
+    assert record["new_token_ids"] == golden["new_tokens"]
+    assert isinstance(record["text"], list) and len(record["text"]) == 2
+
+
+@pytest.mark.slow
+def test_hf_text_prompt_streams_and_samples(tmp_path):
+    out = tmp_path / "out.json"
+    proc = run("generate", f"--hf_dir={HF_TINY}", "--prompt=Hello", "--max_new_tokens=6",
+               "--temperature=0.9", "--top_k=20", "--seed=2", f"--output_json={out}")  # fmt: skip
+    record = json.loads(out.read_text())
+    # BOS (1) from config.json, then the characters; ids the tokenizer cannot decode
+    # (>= its 98 ids, below the model's 128) are never drawn.
+    assert record["prompt_ids"] == [1, 43, 72, 79, 79, 82]
+    assert len(record["new_token_ids"]) == 6 and max(record["new_token_ids"]) < 98
+    assert proc.stdout == "Hello" + record["text"] + "\n"
+    bad = run("generate", f"--hf_dir={HF_TINY}", "--prompt_ids=1,200", check=False)
+    assert bad.returncode == 2 and "prompts[0][1] = 200 is not a token id" in bad.stderr
+
+
+@pytest.mark.slow
+def test_workdir_generation_and_export(tmp_path, workdir):
+    run_dir, data_dir = workdir
+    out = tmp_path / "out.json"
+    run("generate", f"--workdir={run_dir}", f"--data_dir={data_dir}", "--prompt=the qu",
+        "--prompt=héllo", "--max_new_tokens=5", f"--output_json={out}")  # fmt: skip
+    record = json.loads(out.read_text())
+    assert record["prompt_ids"][0] == list(b"the qu")
+    cfg, params, step = pretrain_run.load_params(run_dir)
+    assert step == 3
+    want = G.generate(cfg.model, params, record["prompt_ids"], 5, stop_tokens=[256],
+                      sampling=G.SamplingConfig(vocab_limit=257))  # fmt: skip
+    assert record["new_token_ids"] == want.new_token_ids
+    assert len(record["text"]) == 2
+
+    hf_dir = tmp_path / "hf"
+    run("hf_convert", f"--workdir={run_dir}", f"--data_dir={data_dir}", f"--to_hf_dir={hf_dir}")
+    from twell_jax import hf
+
+    hf_cfg, hf_params = hf.load_checkpoint(hf_dir, dtype=cfg.model.dtype)
+    assert hf_cfg == cfg.model and hf.read_config(hf_dir)["eos_token_id"] == 256
+    for a, b in zip(jax.tree.leaves(hf_params), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    again = run("hf_convert", f"--workdir={run_dir}", f"--to_hf_dir={hf_dir}", check=False)
+    assert again.returncode == 2 and "already holds a checkpoint" in again.stderr
