@@ -2,7 +2,8 @@ r"""Pre-trains a TwELL transformer LM: `python -m experiments.pretrain --flagfil
 
 A run is a preset (`twell_jax.config.train_preset`) plus the flags below, which
 override single fields; `--set=section.field=value` reaches any other field. The
-resolved config is logged first. Training resumes from `<workdir>/checkpoints` when
+resolved config (every field) goes to `<workdir>/config.json`, which one log line names.
+Training resumes from `<workdir>/checkpoints` when
 it holds a checkpoint (the saved config must match, except cadences and the mesh; a
 different --steps needs --allow_schedule_change, see below); Ctrl-C saves a checkpoint
 and exits. Every check runs before the run writes anything: a refused resume leaves
@@ -169,22 +170,25 @@ def resolve_config() -> config_lib.TrainConfig:
         raise app.UsageError(f"invalid config override: {e}") from e
 
 
-def _quiet_orbax() -> None:
-    """Drops Orbax's INFO records (dozens per save), keeping its warnings and errors.
+def keep_log_record(record: py_logging.LogRecord) -> bool:
+    """The absl handler's filter: every warning and error, and the INFO records but
+    Orbax's (dozens per save) and JAX's notes on the backends it could not start
+    ("Unable to initialize backend 'tpu'" opens every CPU run; the mesh line names the
+    backend in use).
 
     Orbax logs through absl like this script, so a level on its own logger is not enough.
     """
-
-    def keep(record: py_logging.LogRecord) -> bool:
-        return record.levelno >= py_logging.WARNING or "/orbax/" not in record.pathname
-
-    logging.get_absl_handler().addFilter(keep)
+    if record.levelno >= py_logging.WARNING:
+        return True
+    if "/orbax/" in record.pathname:
+        return False
+    return not record.getMessage().startswith("Unable to initialize backend")
 
 
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    _quiet_orbax()
+    logging.get_absl_handler().addFilter(keep_log_record)
     if _DISTRIBUTED.value:
         jax.distributed.initialize(  # before any other JAX call; None: auto-detect
             _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value
@@ -192,11 +196,12 @@ def main(argv):
     cfg = resolve_config()
     workdir = _WORKDIR.value or f"runs/{_PRESET.value}"
     logging.info(
-        "resolved config (preset %s):\n%s",
+        "preset %s, workdir %s, data_dir %s, resume %s",
         _PRESET.value,
-        json.dumps(config_lib.config_to_dict(cfg), indent=2),
+        workdir,
+        _DATA_DIR.value,
+        _RESUME.value,
     )
-    logging.info("workdir %s, data_dir %s, resume %s", workdir, _DATA_DIR.value, _RESUME.value)
 
     if _DATA_DIR.value == corpus.DEFAULT_DATA_DIR:
         corpus.ensure_default_data(_DATA_DIR.value)  # zero-setup default corpus

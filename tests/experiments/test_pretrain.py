@@ -143,7 +143,9 @@ def straight(tmp_path_factory, data_dir, cache_dir) -> tuple[Path, str]:
 @pytest.mark.slow
 def test_run_writes_outputs(straight):
     workdir, out = straight
-    assert "resolved config" in out
+    # One line names the resolved config's file; the config itself is not printed.
+    assert out.count(f"resolved config -> {workdir / 'config.json'}") == 1
+    assert '"vocab_size"' not in out and len(out.splitlines()) < 40, out[-3000:]
     assert "sparsity" in out and "tok/s" in out
     # The last progress line: elapsed time and (nothing left) ETA.
     assert re.search(r"step +6/6 .*tok/s .* elapsed \d+s  eta 0s", out), out[-3000:]
@@ -260,6 +262,23 @@ def test_divergence_exits_3_and_keeps_the_good_checkpoints(tmp_path, data_dir, c
     steps = checkpoint_steps(workdir)
     assert steps and max(steps) < bad
     assert not (workdir / "run.lock").exists()
+
+
+def test_log_filter_drops_only_orbax_info_and_unavailable_backend_notes():
+    import logging
+
+    from experiments import pretrain
+
+    def record(path, level, msg):
+        return logging.LogRecord("absl", level, path, 1, msg, None, None)
+
+    bridge = "/site-packages/jax/_src/xla_bridge.py"
+    tpu = "Unable to initialize backend 'tpu': INTERNAL: Failed to open libtpu.so"
+    assert not pretrain.keep_log_record(record(bridge, logging.INFO, tpu))
+    assert not pretrain.keep_log_record(record("/x/orbax/checkpoint/a.py", logging.INFO, "saved"))
+    assert pretrain.keep_log_record(record(bridge, logging.WARNING, "Falling back to cpu."))
+    assert pretrain.keep_log_record(record("/x/orbax/checkpoint/a.py", logging.WARNING, "slow"))
+    assert pretrain.keep_log_record(record("/x/trainer.py", logging.INFO, "step 1"))
 
 
 FLAGFILES = sorted(p.stem for p in (REPO / "experiments" / "configs").glob("*.flags"))
