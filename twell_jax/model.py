@@ -63,10 +63,12 @@ def check_token_ids(tokens: Any, vocab_size: int, name: str = "tokens") -> None:
     """Raises ValueError naming the first id outside [0, vocab_size) and its index.
 
     An out-of-range id would otherwise gather garbage embeddings (NaN logits on some
-    backends). Traced arrays are skipped: jitted code cannot raise on values, so the
-    callers check host arrays before jitting.
+    backends). Traced arrays are skipped (jitted code cannot raise on values, so the
+    callers check host arrays before jitting), and so are arrays split over hosts.
     """
     if isinstance(tokens, jax.core.Tracer):
+        return
+    if isinstance(tokens, jax.Array) and not tokens.is_fully_addressable:
         return
     ids = np.asarray(tokens)
     bad = np.argwhere((ids < 0) | (ids >= vocab_size))

@@ -80,3 +80,18 @@ def test_out_of_range_token_ids_are_named(bad_id):
         model(t)
     with pytest.raises(ValueError, match=r"tokens\[1, 2\]"):
         model.ffn_inputs(t)
+
+
+@pytest.mark.gpu
+def test_gqa_with_cudnn_attention_on_gpu():
+    """cuDNN flash attention groups the key / value heads like XLA (run with -m gpu)."""
+    gqa = small_model(d_model=256, d_ff=1024, n_heads=4, n_kv_heads=2, seq_len=256)
+    assert M.attention_implementation(gqa.compute_dtype, gqa.head_dim) == "cudnn"
+    params = init_params(gqa)
+    repeated = jax.tree.map(lambda x: x, params)
+    for name in ("wk", "wv"):
+        repeated["blocks"]["attn"][name] = jnp.repeat(params["blocks"]["attn"][name], 2, axis=2)
+    t = tokens(gqa, batch=4)
+    want = forward_fn(dataclasses.replace(gqa, n_kv_heads=None))(repeated, t)[0]
+    got = forward_fn(gqa)(params, t)[0]
+    assert float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want))) < 1e-2
