@@ -23,14 +23,18 @@ taken over with a warning.
 Divergence guard: every step's loss and gradient norm must be finite (checked at each
 log, eval and save), and the train state before each save. A non-finite value stops
 the run before it saves anything more, logs the step and the metric, and keeps the
-checkpoints on disk (the last good ones).
+checkpoints on disk (the last good ones). With --skip_nonfinite=K such a step is
+skipped instead (the jitted step keeps the parameters and optimizer state; its batch is
+consumed), logged and counted (`skipped_steps` in metrics.jsonl, kept across resumes);
+the (K+1)-th stops the run as above.
 
 Exit codes:
   0    done (--steps or --stop_at reached, or nothing left to do)
   1    an unexpected error (traceback)
   2    refused: the workdir is locked by another run, or the resume would change the
        schedule (--steps) without --allow_schedule_change, or go below the checkpoint
-  3    diverged: a non-finite loss, gradient norm or state; nothing saved after it
+  3    diverged: a non-finite loss, gradient norm or state (past --skip_nonfinite);
+       nothing saved after it
   130  interrupted by SIGINT (Ctrl-C) after saving a checkpoint; 143 for SIGTERM
        (128 + the signal number). Re-running the same command resumes.
 
@@ -83,6 +87,14 @@ _ALLOW_SCHEDULE_CHANGE = flags.DEFINE_bool(
     False,
     "On resume, accept a --steps unlike the checkpoint's: the cosine LR schedule is "
     "recomputed for the new total from the checkpoint's step on.",
+)
+_SKIP_NONFINITE = flags.DEFINE_integer(
+    "skip_nonfinite",
+    0,
+    "Skip up to this many steps whose loss or gradient norm is not finite (their update "
+    "is dropped on the device; the LR schedule then runs as many steps behind); the next "
+    "one stops the run (exit 3). 0: stop at the first.",
+    lower_bound=0,
 )
 
 EXIT_REFUSED = 2
@@ -213,6 +225,7 @@ def main(argv):
         resume=_RESUME.value,
         stop_at=_STOP_AT.value,
         allow_schedule_change=_ALLOW_SCHEDULE_CHANGE.value,
+        skip_nonfinite=_SKIP_NONFINITE.value,
         plot_title=(
             f"{_PRESET.value}: {cfg.model.ffn_variant}/{cfg.model.ffn_impl}, "
             f"L1 {sp.l1_coef:g} (warmup {sp.l1_warmup_steps})"

@@ -9,7 +9,8 @@ file into a PNG of train / val CE and l0 against the step.
 Record keys: `step`, `kind` ("train" or "eval"); train records carry the scalars of the
 train step (loss, ce, l1_loss, l1_coef, grad_norm, lr), the per-layer lists l1, l0,
 sparsity, alive, use_sparse (and the sparse overflow counters), their layer means
-`l0_mean`, `sparsity_mean`, `alive_mean`, and `tokens_per_s`; eval records carry `val_ce`.
+`l0_mean`, `sparsity_mean`, `alive_mean`, `tokens_per_s`, and the run's count of skipped
+non-finite steps so far `skipped_steps` (the trainer adds it); eval records carry `val_ce`.
 """
 
 from __future__ import annotations
@@ -92,6 +93,8 @@ def format_train_line(record: Mapping[str, Any], total_steps: int, d_ff: int) ->
         f"alive {100 * record['alive_mean']:.1f}%  "
         f"tok/s {'-' if tps is None else f'{tps:,.0f}'}  lr {record['lr']:.3e}"
     )
+    if record.get("skipped_steps"):
+        line += f"  skipped {record['skipped_steps']}"
     if all(k in record for k in SUM_KEYS):  # ffn_impl="sparse": overflow is never silent
         line += (
             f"  sparse layers {sum(record['use_sparse'])}/{len(record['use_sparse'])}"

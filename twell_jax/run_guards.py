@@ -34,18 +34,23 @@ class DivergenceError(RuntimeError):
     """A step's loss, gradient norm or the train state is not finite; nothing was saved.
 
     Attributes:
-      step: the first step found non-finite.
+      step: the first step found non-finite (past the skip allowance).
       metric: which value: "loss", "grad_norm" or "state".
       last_checkpoint: the newest checkpoint step on disk (the last good one), or None.
+      skipped: non-finite steps skipped before this one (`--skip_nonfinite`).
     """
 
-    def __init__(self, step: int, metric: str, value: float, last_checkpoint: int | None):
+    def __init__(
+        self, step: int, metric: str, value: float, last_checkpoint: int | None, skipped: int = 0
+    ):
         kept = "none" if last_checkpoint is None else f"step {last_checkpoint}"
+        after = f" after {skipped} skipped non-finite step(s)" if skipped else ""
         super().__init__(
-            f"non-finite {metric} ({value}) at step {step}: stopped without saving; "
+            f"non-finite {metric} ({value}) at step {step}{after}: stopped without saving; "
             f"last good checkpoint: {kept}"
         )
         self.step, self.metric, self.last_checkpoint = step, metric, last_checkpoint
+        self.skipped = skipped
 
 
 class ScheduleChangeError(ValueError):

@@ -225,7 +225,7 @@ def _microbatches(x: jax.Array, n: int) -> jax.Array:
 
 
 def make_train_step(
-    cfg: TrainConfig, mesh: Mesh
+    cfg: TrainConfig, mesh: Mesh, *, skip_nonfinite: bool = False
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
     """Builds the jitted optimizer step (the input state is donated).
 
@@ -237,6 +237,9 @@ def make_train_step(
     Args:
       cfg: the run config.
       mesh: from `sharding.make_mesh`.
+      skip_nonfinite: a step whose loss or gradient norm is not finite returns the
+        state it was given but for the step counter (parameters, optimizer state,
+        dead-neuron counters and sparse switch unchanged), chosen on the device.
 
     Returns:
       `step(state, batch) -> (state, metrics)`, batch {"inputs", "targets"} int32 [B, S]
@@ -319,6 +322,10 @@ def make_train_step(
         if cfg.model.ffn_impl == "sparse":
             use_sparse = sparsity.next_use_sparse(state.step, l0, use_sparse, sp)
         new_state = TrainState(next_step, params, opt_state, tokens_since_fired, use_sparse)
+        if skip_nonfinite:
+            finite = jnp.isfinite(loss.mean()) & jnp.isfinite(optax.tree.norm(grads))
+            kept = dataclasses.replace(state, step=next_step)
+            new_state = jax.tree.map(lambda n, k: jnp.where(finite, n, k), new_state, kept)
         metrics = {
             "loss": loss.mean(),
             "ce": ce.mean(),

@@ -20,7 +20,9 @@
 5. checks that the loss and gradient norm of every step are finite (at each log,
    eval and save, so the loop is not synchronised every step) and that the state is
    finite before each save: a non-finite value raises `DivergenceError` without
-   saving, so the checkpoints on disk are the last good ones;
+   saving, so the checkpoints on disk are the last good ones. With
+   `opts.skip_nonfinite=K` the step itself keeps the state of a non-finite step (on the
+   device), and the loop counts and logs up to K of them before it raises;
 6. on SIGINT / SIGTERM finishes the current step, saves a checkpoint and returns
    (`summary["interrupted"]`, `summary["signal"]`), so that re-running the same
    command resumes. A second Ctrl-C aborts without saving.
@@ -56,6 +58,9 @@ CHECKPOINT_DIR = "checkpoints"
 CONFIG_FILE = "config.json"
 # Per-step scalars that must stay finite (the divergence guard).
 FINITE_METRICS = ("loss", "grad_norm")
+# Key of the checkpoint's data item that carries the run's skipped-step count (beside
+# the data iterator's own state).
+SKIPPED_KEY = "skipped_steps"
 # Config keys that may change between a checkpoint and its resumption, on top of the
 # checkpointer's defaults (step counts, cadences): restore reshards onto any mesh, and
 # neither remat nor the inference-only TwELL compression changes the training numbers.
@@ -79,6 +84,13 @@ class RunOptions:
         run continues on the new schedule from the checkpoint's step: the warmup is
         unchanged and the cosine is stretched (or shortened) to end at the new total,
         which moves the LR at the resumed step to the new curve's value there.
+      skip_nonfinite: K > 0 skips (on the device, `train.make_train_step`'s
+        skip_nonfinite) every step whose loss or gradient norm is not finite, logs and
+        counts it (`skipped_steps` in metrics.jsonl and the checkpoints, so the count
+        survives a resume), and stops with `DivergenceError` at the (K+1)-th such step.
+        A skipped step consumes its batch and advances the step counter but not the
+        optimizer's own count, so the LR schedule runs that many steps behind. 0 (the
+        default) stops at the first non-finite step.
     """
 
     workdir: str
@@ -88,6 +100,7 @@ class RunOptions:
     stop_at: int = 0
     plot_title: str = ""
     allow_schedule_change: bool = False
+    skip_nonfinite: int = 0
 
 
 def _global_batch(local: dict[str, np.ndarray], placement, global_rows: int) -> dict:
@@ -128,8 +141,9 @@ class _Evaluator:
         return float(np.mean(jax.device_get(ces)))
 
 
-def _restore_or_init(cfg, mesh, ckpt, train_iter, opts) -> train.TrainState:
-    """The newest checkpoint's state (and data position) if resuming, else a fresh state.
+def _restore_or_init(cfg, mesh, ckpt, train_iter, opts) -> tuple[train.TrainState, int]:
+    """The newest checkpoint's state (and data position) if resuming, else a fresh state;
+    and the run's skipped-step count so far.
 
     Only reads (and, like `Checkpointer.restore`, moves unreadable steps aside): every
     refusal happens here, before the run writes anything.
@@ -142,7 +156,7 @@ def _restore_or_init(cfg, mesh, ckpt, train_iter, opts) -> train.TrainState:
         )
     if latest is None:
         logging.info("no checkpoint in %s: starting from scratch", ckpt.directory)
-        return train.create_train_state(cfg, mesh)
+        return train.create_train_state(cfg, mesh), 0
     restored = ckpt.restore(
         train.abstract_train_state(cfg, mesh),
         config=config_to_dict(cfg),
@@ -158,9 +172,11 @@ def _restore_or_init(cfg, mesh, ckpt, train_iter, opts) -> train.TrainState:
             total,
             restored.step,
         )
-    train_iter.set_state(restored.data_state)
+    data_state = dict(restored.data_state)
+    skipped = int(data_state.pop(SKIPPED_KEY, 0))
+    train_iter.set_state(data_state)
     logging.info("resumed from checkpoint step %d in %s", restored.step, ckpt.directory)
-    return restored.state
+    return restored.state, skipped
 
 
 def run(
@@ -241,7 +257,7 @@ class _Trainer:
         )
         self.writer = None
         try:
-            self.state = _restore_or_init(cfg, mesh, self.ckpt, self.train_iter, opts)
+            self.state, self.skipped = _restore_or_init(cfg, mesh, self.ckpt, self.train_iter, opts)
         except BaseException:
             self.ckpt.close()  # `run` never gets a trainer to close
             raise
@@ -255,22 +271,24 @@ class _Trainer:
         self.plotted_step = None
         if self.lead:
             self.writer = metrics.MetricsWriter(self.workdir, resume_step=self.step)
-        self.train_step = train.make_train_step(cfg, mesh)
+        self.train_step = train.make_train_step(cfg, mesh, skip_nonfinite=opts.skip_nonfinite > 0)
         self.evaluate = _Evaluator(cfg, data_cfg, mesh, self.placement)
         self.summary: dict[str, Any] = {"step": self.step, "interrupted": False}
         # (step, its metrics) not yet checked for finite loss / grad norm.
         self.unchecked: list[tuple[int, dict[str, jax.Array]]] = []
+        # Steps found non-finite and skipped, not yet left out of a progress line.
+        self.skipped_unlogged: set[int] = set()
 
     def train(self, stop: StopRequest) -> dict[str, Any]:
         """Runs the loop to the end, `stop_at` or a stop request; saves; returns the summary."""
         cfg, total = self.cfg, self.cfg.optim.total_steps
-        pending: list[dict[str, jax.Array]] = []
+        pending: list[tuple[int, dict[str, jax.Array]]] = []
         timer, compiled = progress.RunTimer(total, clock=self.clock), False
         while self.step < total:
             batch = _global_batch(next(self.train_iter), self.placement, cfg.batch_size)
             self.state, step_metrics = self.train_step(self.state, batch)
             self.step += 1
-            pending.append(step_metrics)
+            pending.append((self.step, step_metrics))
             self.unchecked.append((self.step, {k: step_metrics[k] for k in FINITE_METRICS}))
             if not compiled:
                 # The first step compiles; time it apart so that tokens/s is throughput.
@@ -284,7 +302,7 @@ class _Trainer:
             log_now = self.step % cfg.log_every == 0 or self.step == total
             if log_now:
                 # Dispatch is asynchronous: wait for the device before reading the clock.
-                jax.block_until_ready(pending[-1])
+                jax.block_until_ready(step_metrics)
                 steps, seconds = timer.interval()
                 self._check_finite()
                 tokens_per_s = steps * cfg.tokens_per_step / seconds if steps else None
@@ -312,36 +330,65 @@ class _Trainer:
         return self.summary
 
     def _log(
-        self, pending: list[dict[str, jax.Array]], tokens_per_s: float | None, timing: str
+        self,
+        pending: list[tuple[int, dict[str, jax.Array]]],
+        tokens_per_s: float | None,
+        timing: str,
     ) -> None:
-        """Reduces the interval's metrics, prints them with `timing` and records them."""
-        host = [train.host_metrics(m) for m in pending]
+        """Reduces the interval's metrics, prints them with `timing` and records them.
+
+        Skipped steps are left out of the means (unless the whole interval was skipped).
+        """
+        kept = [m for step, m in pending if step not in self.skipped_unlogged]
+        self.skipped_unlogged.clear()
+        host = [train.host_metrics(m) for m in kept or [m for _, m in pending]]
         record = metrics.reduce_interval(host, self.step, tokens_per_s)
+        record[SKIPPED_KEY] = self.skipped
         line = metrics.format_train_line(record, self.cfg.optim.total_steps, self.cfg.model.d_ff)
         logging.info("%s  %s", line, timing)
         if self.writer:
             self.writer.write(record)
         self.summary.update(
-            {k: record[k] for k in ("ce", "l0_mean", "sparsity_mean", "alive_mean")}
+            {k: record[k] for k in ("ce", "l0_mean", "sparsity_mean", "alive_mean", SKIPPED_KEY)}
         )
 
     def _check_finite(self, state: bool = False) -> None:
-        """Raises DivergenceError for the first unchecked step with a non-finite metric.
+        """Checks the unchecked steps' loss and gradient norm.
+
+        A non-finite one is skipped (it left the state unchanged on the device), counted
+        and logged while `opts.skip_nonfinite` allows; otherwise it raises.
 
         Args:
           state: also check every floating-point leaf of the train state (before saves).
+
+        Raises:
+          DivergenceError: for the first non-finite step past the skip allowance, or a
+            non-finite state.
         """
         unchecked, self.unchecked = self.unchecked, []
+        limit = self.opts.skip_nonfinite
         for step, values in jax.device_get(unchecked):
-            for name in FINITE_METRICS:
-                if not np.isfinite(values[name]):
-                    self._diverged(step, name, float(values[name]))
+            bad = [(name, float(values[name])) for name in FINITE_METRICS]
+            bad = [(name, value) for name, value in bad if not np.isfinite(value)]
+            if not bad:
+                continue
+            if self.skipped >= limit:
+                self._diverged(step, *bad[0])
+            self.skipped += 1
+            self.skipped_unlogged.add(step)
+            logging.warning(
+                "step %d: non-finite %s: skipped, state unchanged (%d of --skip_nonfinite=%d)",
+                step,
+                ", ".join(f"{name} {value}" for name, value in bad),
+                self.skipped,
+                limit,
+            )
         if state and not bool(self.state_finite(self.state)):
             self._diverged(self.step, "state", float("nan"))
 
     def _diverged(self, step: int, metric: str, value: float) -> None:
         self.ckpt.wait()  # earlier saves complete: the last good checkpoints
-        err = DivergenceError(step, metric, value, self.ckpt.latest_step())
+        err = DivergenceError(step, metric, value, self.ckpt.latest_step(), self.skipped)
         logging.error("%s", err)
         raise err
 
@@ -365,9 +412,8 @@ class _Trainer:
         """Starts an async checkpoint of the current step unless it is already saved."""
         if self.saved_step != self.step:
             self._check_finite(state=True)
-            self.ckpt.save(
-                self.step, self.state, self.train_iter.get_state(), config_to_dict(self.cfg)
-            )
+            data_state = {**self.train_iter.get_state(), SKIPPED_KEY: self.skipped}
+            self.ckpt.save(self.step, self.state, data_state, config_to_dict(self.cfg))
             self.saved_step = self.step
             logging.info("checkpoint step %d (async) -> %s", self.step, self.ckpt.directory)
 

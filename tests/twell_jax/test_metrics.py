@@ -45,3 +45,23 @@ def test_reduce_interval_and_writer_truncation(tmp_path):
         (2, "train"),
         (3, "eval"),
     ]
+
+
+def test_train_line_counts_skipped_steps_only_when_there_are_some():
+    record = {
+        "step": 7,
+        "loss": 2.5,
+        "ce": 2.4,
+        "l1_loss": 0.1,
+        "l0_mean": 30.0,
+        "sparsity_mean": 0.9,
+        "alive_mean": 1.0,
+        "lr": 1e-3,
+        "skipped_steps": 0,
+    }
+    line = metrics.format_train_line(record, total_steps=10, d_ff=300)
+    assert line.startswith("step      7/10  loss 2.5000") and "tok/s -" in line
+    assert "skipped" not in line
+    assert metrics.format_train_line({**record, "skipped_steps": 2}, 10, 300).endswith(
+        "  skipped 2"
+    )

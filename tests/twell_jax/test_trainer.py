@@ -6,6 +6,7 @@ prepared corpus of conftest; the end-to-end CLI runs are in tests/experiments.
 
 import dataclasses
 import json
+import logging
 import shutil
 
 import jax
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 
 from tests.corpora import prepare_byte_corpus, write_text_corpus
-from twell_jax import checkpoint, run_guards, trainer
+from twell_jax import checkpoint, metrics, run_guards, trainer
 from twell_jax import config as C
 
 
@@ -94,6 +95,76 @@ def test_nonfinite_loss_stops_before_saving_and_keeps_good_checkpoints(tmp_path,
         leaves = [np.asarray(x) for x in jax.tree.leaves(restored.state)]
         assert all(np.isfinite(x).all() for x in leaves if np.issubdtype(x.dtype, np.inexact))
     assert not (workdir / run_guards.LOCK_FILE).exists()
+
+
+class _BadBatches:
+    """The train iterator with an out-of-vocabulary id (NaN embedding) in some batches."""
+
+    def __init__(self, it, bad: set[int]):
+        self._it, self._bad, self._n = it, bad, 0
+
+    def __next__(self):
+        batch, self._n = next(self._it), self._n + 1
+        if self._n in self._bad:
+            batch = {**batch, "inputs": batch["inputs"].copy()}
+            batch["inputs"][0, 0] = 10**6
+        return batch
+
+    def get_state(self):
+        return self._it.get_state()
+
+    def set_state(self, state):
+        self._it.set_state(state)
+
+
+def _inject_bad_batches(monkeypatch, *steps: int) -> None:
+    """Batches `steps` (1-based, counted from this run's first step) are bad."""
+    make = trainer.input_pipeline.make_train_iterator
+    monkeypatch.setattr(
+        trainer.input_pipeline,
+        "make_train_iterator",
+        lambda cfg: _BadBatches(make(cfg), set(steps)),
+    )
+
+
+def _restored(cfg, workdir, step):
+    from twell_jax import sharding, train
+
+    mesh = sharding.make_mesh(*cfg.mesh_shape)
+    with checkpoint.Checkpointer(workdir / trainer.CHECKPOINT_DIR) as ckpt:
+        return ckpt.restore(train.abstract_train_state(cfg, mesh), step=step)
+
+
+def _same_state(a, b) -> bool:
+    a, b = (jax.tree.leaves((s.params, s.opt_state)) for s in (a, b))
+    return all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(a, b, strict=True))
+
+
+def test_skip_nonfinite_keeps_the_state_counts_and_survives_a_resume(
+    tmp_path, data_dir, monkeypatch, caplog
+):
+    cfg = tiny_config(steps=4, checkpoint_every=1)
+    workdir = tmp_path / "run"
+    opts = trainer.RunOptions(str(workdir), data_dir, max_to_keep=None, skip_nonfinite=2)
+    _inject_bad_batches(monkeypatch, 2)
+    with caplog.at_level(logging.WARNING):
+        summary = trainer.run(cfg, opts)
+    assert summary["step"] == 4 and summary["skipped_steps"] == 1
+    (line,) = [r.getMessage() for r in caplog.records if "skipped, state" in r.getMessage()]
+    assert line.startswith("step 2: non-finite loss nan") and "1 of --skip_nonfinite=2" in line
+    # Step 2 kept step 1's parameters and optimizer state; step 3 trained on.
+    s1, s2, s3 = (_restored(cfg, workdir, step) for step in (1, 2, 3))
+    assert int(s2.state.step) == 2 and _same_state(s1.state, s2.state)
+    assert not _same_state(s2.state, s3.state)
+    records = [r for r in metrics.read_metrics(workdir / "metrics.jsonl") if r["kind"] == "train"]
+    assert [r["skipped_steps"] for r in records] == [0, 1, 1, 1]
+    assert all(np.isfinite(r["ce"]) for r in records if r["step"] != 2)
+    # The count is saved with the checkpoints: one more skip reaches the limit.
+    _inject_bad_batches(monkeypatch, 1, 2)
+    more = dataclasses.replace(opts, allow_schedule_change=True)
+    with pytest.raises(run_guards.DivergenceError, match="step 6 after 2 skipped") as err:
+        trainer.run(tiny_config(steps=8, checkpoint_every=1), more)
+    assert err.value.skipped == 2 and err.value.last_checkpoint == 5
 
 
 # --- every check before any write; schedule changes ---------------------------------
