@@ -15,6 +15,9 @@ model: model-body forward throughput, twell against dense FFNs, on synthetic-spa
 weights (experiments/benchmark_model.py), and on trained checkpoints (--model_workdirs).
 train_model: whole training-step throughput (forward, backward, AdamW), sparse against
 dense FFNs, on the same synthetic-sparsity weights (experiments/benchmark_train_model.py).
+switch: where the per-layer switch puts its cutoff for each --model_presets layer shape
+at M=--train_tokens (`twell_jax.switch_cost.measure`: both branches on every pattern
+over an l0 grid) and how far from the faster branch it runs at worst.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_enum(
     "mode",
     "kernel",
-    ["kernel", "tune", "train", "train_tune", "model", "train_model"],
+    ["kernel", "tune", "train", "train_tune", "model", "train_model", "switch"],
     "What to measure.",
 )
 flags.DEFINE_list("model_presets", ["1.5b", "2b"], "Presets of --mode=model.")
@@ -402,6 +405,25 @@ def main(argv):
             pattern=FLAGS.pattern,
             sigma=FLAGS.pattern_sigma,
         )
+    elif FLAGS.mode == "switch":
+        from twell_jax import config as config_lib
+        from twell_jax import switch_cost
+
+        result["cases"] = []
+        for preset in FLAGS.model_presets:
+            m = config_lib.model_preset(preset)
+            shape = switch_cost.LayerShape(
+                FLAGS.train_tokens, m.d_model, m.d_ff, m.sparse_ell_width
+            )
+            result["cases"].append(
+                {"preset": preset, **switch_cost.measure(shape, reps=FLAGS.reps)}
+            )
+            case = result["cases"][-1]
+            print(
+                json.dumps(
+                    {k: case[k] for k in ("preset", "shape", "cutoff", "cutoffs", "max_regret")}
+                )
+            )
     elif FLAGS.mode == "train_tune":
         result["tune"] = benchmark_train.tune(M=FLAGS.train_tokens, H=h, N=n)
     else:

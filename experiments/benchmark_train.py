@@ -277,11 +277,12 @@ def _measure(args, steps: dict, config: SparseTrainConfig, reps: int, breakdown:
             for name, a, b in zip(("dx", "dWg", "dWu", "dWd"), grads_s, grads_d, strict=True)
         },
     )
-    rec["sparse_ms"] = _median_ms(sparse, args, reps)
-    rec["dense_ms"] = _median_ms(dense, args, reps)
+    for suffix in ("", "_fwd"):
+        fns = {"sparse": steps["sparse" + suffix], "dense": steps["dense" + suffix]}
+        t = bu.time_interleaved(fns, *args, warmup=3, reps=reps, inner=5)
+        rec[f"sparse{suffix}_ms"] = t["sparse"]["median_ms"]
+        rec[f"dense{suffix}_ms"] = t["dense"]["median_ms"]
     rec["speedup"] = rec["dense_ms"] / rec["sparse_ms"]
-    rec["sparse_fwd_ms"] = _median_ms(steps["sparse_fwd"], args, reps)
-    rec["dense_fwd_ms"] = _median_ms(steps["dense_fwd"], args, reps)
     if breakdown:
         parts = _breakdown(*args, config=config, samples=max(reps // 2, 3))
         rec["breakdown_ms"] = parts
@@ -339,7 +340,8 @@ def run_captured(
     For each layer of `layers`: x = that layer's FFN input on the first M validation
     tokens of `data_dir`, the checkpoint's bf16 weights and a random upstream
     gradient; then the same shapes with uniform synthetic gates at the measured l0
-    (pattern "uniform"). `vs_uniform` is the captured sparse time over the control's.
+    (pattern "uniform"). `vs_uniform` is the captured sparse time over the control's:
+    the median per-round ratio with the two alternating in one rotation.
     """
     from flax import nnx
 
@@ -371,7 +373,13 @@ def run_captured(
         rec.update(_measure((x, *w, g), steps, config, reps, breakdown=False))
         control = synthetic_inputs(layer, M, x.shape[1], w[0].shape[0], max(rec["l0"], 0.5))
         rec["uniform_control"] = _measure(control, steps, config, reps, breakdown=False)
-        rec["vs_uniform"] = rec["sparse_ms"] / rec["uniform_control"]["sparse_ms"]
+        # The ratio from its own rotation: captured and control alternate call by call.
+        pair = {
+            "captured": functools.partial(steps["sparse"], x, *w, g),
+            "control": functools.partial(steps["sparse"], *control),
+        }
+        t = bu.time_interleaved(pair, warmup=3, reps=2 * reps, inner=5)
+        rec["vs_uniform"] = t["ratios"]["captured/control"]
         records.append(rec)
         print(json.dumps({k: v for k, v in rec.items() if not isinstance(v, dict)}), flush=True)
     return records

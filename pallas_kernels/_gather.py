@@ -34,8 +34,13 @@ class RowLaunch:
 
     def fit(self, h: int) -> RowLaunch:
         """The same launch with block_h shrunk to the largest power of two <= block_h
-        that divides H."""
-        return dataclasses.replace(self, block_h=fit_block(self.block_h, h))
+        that divides H, and num_warps shrunk by the same factor (at least 1): each
+        thread keeps the elements per load it was tuned for. Four warps over a 256-wide
+        block at H = 768 made the dx SpMM 4x slower than one warp
+        (docs/performance_notes.md, "Training row kernels")."""
+        block_h = fit_block(self.block_h, h)
+        num_warps = max(1, self.num_warps * block_h // self.block_h)
+        return dataclasses.replace(self, block_h=block_h, num_warps=num_warps)
 
 
 def fit_block(block: int, dim: int) -> int:

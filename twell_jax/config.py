@@ -193,6 +193,10 @@ class SparsityConfig:
         None means one global batch (the reference's default).
       reinit_dead_every: every this many steps re-draw the gate rows of dead neurons
         (0 = never).
+      sparse_switch: how the per-layer switch's l0 cutoff is set (ffn_impl="sparse"):
+        "cost" measures where the sparse op beats dense for the run's layer shape on
+        the GPU at start-up (`twell_jax.switch_cost`; without a GPU it keeps
+        sparse_l0_cutoff), "l0" uses sparse_l0_cutoff as given.
       sparse_l0_cutoff: with ffn_impl="sparse", a layer runs the sparse kernels only
         while its last measured l0 is below this.
       sparse_recheck_every: steps between re-evaluations of that per-layer switch.
@@ -203,6 +207,7 @@ class SparsityConfig:
     l1_target: str = "activations"
     tokens_until_dead: int | None = None
     reinit_dead_every: int = 0
+    sparse_switch: str = "cost"
     sparse_l0_cutoff: float = 50.0
     sparse_recheck_every: int = 20
 
@@ -217,6 +222,9 @@ class SparsityConfig:
             "must be None or > 0",
         )
         _require(self, "reinit_dead_every", self.reinit_dead_every >= 0, "must be >= 0")
+        _require(
+            self, "sparse_switch", self.sparse_switch in ("cost", "l0"), "must be 'cost' or 'l0'"
+        )
         _require_positive(self, "sparse_recheck_every")
 
 
@@ -418,7 +426,7 @@ MISSING = "<missing>"
 # Fields added after configs were first saved, by dotted path, with the value a saved
 # config that lacks the key stands for (its behaviour when it was written): the key
 # missing on one side and this value on the other is no difference.
-ADDED_FIELD_DEFAULTS = {"model.n_kv_heads": None}
+ADDED_FIELD_DEFAULTS = {"model.n_kv_heads": None, "sparsity.sparse_switch": "l0"}
 
 
 def _lookup(flat: dict[str, Any], key: str) -> Any:

@@ -42,7 +42,9 @@ class SparseTrainConfig:
             spread very active neurons over more programs and shrink the gathered
             x / gO working set (2 M block_h bf16).
         hot_min_count: ELL entries from which a neuron's weight gradients come from
-            dense GEMMs instead of the per-neuron SpMM (`hot`; docs/design.md §6.3).
+            dense GEMMs instead of the per-neuron SpMM (`hot`; docs/design.md §6.3);
+            None: M / 64, where a GEMM row (2 M H tensor-core FLOPs per product)
+            costs about what the SpMM's gathers of that many entries cost.
         hot_capacities: ascending static widths of that dense block, the first 0 (a
             call without hot neurons runs no GEMM); neurons past the largest stay in
             the SpMM.
@@ -64,8 +66,8 @@ class SparseTrainConfig:
     sddmm_grad: RowLaunch = RowLaunch(group=4, num_warps=1, block_h=1024)
     spmm_dx: RowLaunch = RowLaunch(group=2, num_warps=4, block_h=1024)
     spmm_csc: RowLaunch = RowLaunch(group=4, num_warps=2, block_h=512)
-    hot_min_count: int = 256
-    hot_capacities: tuple[int, ...] = (0, 128, 512, 1024)
+    hot_min_count: int | None = None
+    hot_capacities: tuple[int, ...] = (0, 64, 128, 192, 256, 384, 512, 768, 1024)
 
     def __post_init__(self):
         caps = self.tail_capacities
@@ -89,7 +91,7 @@ class SparseTrainConfig:
         hot = self.hot_capacities
         if not hot or hot[0] != 0 or list(hot) != sorted(set(hot)):
             raise ValueError(f"hot_capacities must be ascending, starting at 0, got {hot}")
-        if self.hot_min_count < 1:
-            raise ValueError(f"hot_min_count must be >= 1, got {self.hot_min_count}")
+        if self.hot_min_count is not None and self.hot_min_count < 1:
+            raise ValueError(f"hot_min_count must be None or >= 1, got {self.hot_min_count}")
         if self.fallback_block_rows < 1:
             raise ValueError(f"fallback_block_rows must be >= 1, got {self.fallback_block_rows}")

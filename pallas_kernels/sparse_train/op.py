@@ -63,15 +63,21 @@ class _Static:
 _MIN_BLOCK = 16
 
 
+# Tokens per ELL entry from which a neuron is hot when hot_min_count is None (§6.3).
+_HOT_TOKENS_PER_ENTRY = 64
+
+
 def resolve_config(m: int, h: int, n: int, config: SparseTrainConfig) -> SparseTrainConfig:
     """Fits the config to the shapes: every kernel's block shrinks to the largest power
     of two dividing H (the compaction's columns: N), production shapes keeping the
-    defaults, and tail capacities are capped at M."""
+    defaults, tail capacities are capped at M and hot_min_count=None becomes M / 64."""
     caps = tuple(sorted({min(c, m) for c in config.tail_capacities}))
     launches = {name: getattr(config, name).fit(h) for name in LAUNCH_FIELDS}
+    hot_min = config.hot_min_count or max(1, -(-m // _HOT_TOKENS_PER_ENTRY))
     return dataclasses.replace(
-        config, tail_capacities=caps, compact=config.compact.fit(n), **launches
-    )
+        config, tail_capacities=caps, compact=config.compact.fit(n), hot_min_count=hot_min,
+        **launches,
+    )  # fmt: skip
 
 
 def sparse_train_supported(m: int, h: int, n: int, config: SparseTrainConfig) -> str | None:

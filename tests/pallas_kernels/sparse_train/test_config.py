@@ -1,6 +1,8 @@
 """SparseTrainConfig: validation names the kernel and field, defaults, and fitting of
 every launch to the shapes."""
 
+import dataclasses
+
 import pytest
 
 from pallas_kernels._gather import RowLaunch
@@ -39,13 +41,30 @@ def test_default_launches():
     assert cfg.sddmm_grad == RowLaunch(group=4, num_warps=1, block_h=1024)
     assert cfg.spmm_dx == RowLaunch(group=2, num_warps=4, block_h=1024)
     assert cfg.spmm_csc == RowLaunch(group=4, num_warps=2, block_h=512)
-    assert resolve_config(16384, 2048, 5632, cfg) == cfg
+    fitted = resolve_config(16384, 2048, 5632, cfg)
+    assert fitted == dataclasses.replace(cfg, hot_min_count=256)
+
+
+@pytest.mark.parametrize("m, expected", [(16384, 256), (32768, 512), (100, 2), (1, 1)])
+def test_hot_min_count_scales_with_m(m, expected):
+    """None: a neuron is hot from M / 64 entries (rounded up); a set value is kept."""
+    assert resolve_config(m, 2048, 5632, SparseTrainConfig()).hot_min_count == expected
+    kept = resolve_config(m, 2048, 5632, SparseTrainConfig(hot_min_count=7))
+    assert kept.hot_min_count == 7
+
+
+def test_fit_shrinks_warps_with_the_block():
+    """A block 4x narrower gets 4x fewer warps (at least one): H = 768 fits 1024 to 256."""
+    launch = RowLaunch(group=2, num_warps=4, block_h=1024)
+    assert launch.fit(768) == RowLaunch(group=2, num_warps=1, block_h=256)
+    assert launch.fit(1536) == RowLaunch(group=2, num_warps=2, block_h=512)
+    assert launch.fit(2048) == launch
 
 
 def test_resolve_config_fits_each_launch():
     cfg = SparseTrainConfig(spmm_dx=RowLaunch(group=2, num_warps=2, block_h=2048))
     fitted = resolve_config(32, 96, 192, cfg)
-    assert fitted.spmm_dx == RowLaunch(group=2, num_warps=2, block_h=32)  # 32 | 96
+    assert fitted.spmm_dx == RowLaunch(group=2, num_warps=1, block_h=32)  # 32 | 96
     assert fitted.sddmm_up == RowLaunch(group=2, num_warps=1, block_h=32)
     assert fitted.spmm_csc.block_h == 32
     assert fitted.compact.block_cols == 64  # largest power of two <= 256 dividing 192

@@ -1,0 +1,93 @@
+"""The switch's cutoff from measured costs: the crossover rule, the worst-case figure,
+the cache in the workdir and the fallbacks (the timing itself runs on the GPU)."""
+
+import dataclasses
+import json
+
+import pytest
+
+from twell_jax import switch_cost
+from twell_jax.config import TrainConfig, model_preset
+
+
+def test_crossover_interpolates_in_log_space():
+    # ratio 0.5 at l0 4, 2.0 at l0 16: log-linear crossing at the geometric middle, 8
+    assert switch_cost.crossover([2, 4, 16], [0.4, 0.5, 2.0]) == pytest.approx(8.0)
+    assert switch_cost.crossover([2, 4], [1.0, 1.2]) == 0.0  # never faster
+    assert switch_cost.crossover([2, 4, 8], [0.5, 0.6, 0.9]) == 8.0  # no claim past the grid
+
+
+def _record(cutoff_l0):
+    """Fake per-pattern times: sparse 1 ms + l0 / cutoff_l0 ms against dense 2 ms."""
+    grid = [2.0, 4.0, 8.0, 16.0]
+    pattern = {
+        "l0": grid,
+        "dense_ms": [2.0] * 4,
+        "sparse_ms": [1.0 + g / cutoff_l0 for g in grid],
+    }
+    pattern["ratio"] = [
+        s / d for s, d in zip(pattern["sparse_ms"], pattern["dense_ms"], strict=True)
+    ]
+    return {"uniform": pattern}
+
+
+def test_max_regret_counts_the_slower_choice():
+    per_pattern = _record(8.0)  # sparse wins below l0 8 (equal at 8)
+    assert switch_cost.max_regret(per_pattern, 8.0) == pytest.approx(0.0)
+    # a cutoff of 20 runs sparse at l0 16 (3 ms against 2): 50% slower
+    assert switch_cost.max_regret(per_pattern, 20.0) == pytest.approx(0.5)
+    # a cutoff of 3 runs dense at l0 4 (2 ms against 1.5)
+    assert switch_cost.max_regret(per_pattern, 3.0) == pytest.approx(2.0 / 1.5 - 1)
+
+
+def _sparse_cfg(**sparsity):
+    cfg = TrainConfig(model=dataclasses.replace(model_preset("tiny"), ffn_impl="sparse"))
+    return dataclasses.replace(cfg, sparsity=dataclasses.replace(cfg.sparsity, **sparsity))
+
+
+def _fake_measure(calls):
+    def measure(shape):
+        calls.append(shape)
+        return {"cutoff": 12.5, "max_regret": 0.01, "shape": dataclasses.asdict(shape)}
+
+    return measure
+
+
+def test_measures_once_then_reads_the_workdir(tmp_path):
+    calls = []
+    cfg = _sparse_cfg()
+    kw = dict(can_measure=True, measure_fn=_fake_measure(calls))
+    out = switch_cost.resolve_cutoff(cfg, str(tmp_path), 1024, **kw)
+    assert out.sparsity.sparse_l0_cutoff == 12.5
+    assert calls == [switch_cost.LayerShape(1024, 128, 512, cfg.model.sparse_ell_width)]
+    saved = json.loads((tmp_path / switch_cost.FILE_NAME).read_text())
+    assert list(saved) == [calls[0].key()]
+    # A restart reads the record back: no second measurement, the same cutoff.
+    again = switch_cost.resolve_cutoff(cfg, str(tmp_path), 1024, **kw)
+    assert again.sparsity.sparse_l0_cutoff == 12.5 and len(calls) == 1
+    # Another layer shape (e.g. a different micro-batch) is measured and kept beside it.
+    switch_cost.resolve_cutoff(cfg, str(tmp_path), 2048, **kw)
+    assert len(calls) == 2
+    assert len(json.loads((tmp_path / switch_cost.FILE_NAME).read_text())) == 2
+
+
+@pytest.mark.parametrize(
+    "cfg, can_measure",
+    [
+        (_sparse_cfg(), False),  # no GPU: nothing to time
+        (_sparse_cfg(sparse_switch="l0"), True),  # the fixed rule asked for
+        (TrainConfig(model=model_preset("tiny")), True),  # dense FFNs: no switch
+    ],
+)
+def test_keeps_the_configured_cutoff(tmp_path, cfg, can_measure):
+    calls = []
+    out = switch_cost.resolve_cutoff(
+        cfg, str(tmp_path), 1024, can_measure=can_measure, measure_fn=_fake_measure(calls)
+    )
+    assert out == cfg and calls == []
+    assert not (tmp_path / switch_cost.FILE_NAME).exists()
+
+
+def test_bad_switch_name_raises():
+    with pytest.raises(ValueError, match="sparse_switch"):
+        _sparse_cfg(sparse_switch="fast")
