@@ -32,7 +32,9 @@ Exit codes:
   0    done (--steps or --stop_at reached, or nothing left to do)
   1    an unexpected error (traceback)
   2    refused: the workdir is locked by another run, or the resume would change the
-       schedule (--steps) without --allow_schedule_change, or go below the checkpoint
+       schedule (--steps) without --allow_schedule_change, or go below the checkpoint,
+       or one train step clearly cannot fit in memory (twell_jax.step_memory: --seq_len
+       has no positional limit, memory bounds it)
   3    diverged: a non-finite loss, gradient norm or state (past --skip_nonfinite);
        nothing saved after it
   130  interrupted by SIGINT (Ctrl-C) after saving a checkpoint; 143 for SIGTERM
@@ -63,7 +65,7 @@ import jax
 from absl import app, flags, logging
 
 from twell_jax import config as config_lib
-from twell_jax import corpus, overrides, run_guards, trainer
+from twell_jax import corpus, overrides, run_guards, step_memory, trainer
 
 _PRESET = flags.DEFINE_enum(
     "preset", "tiny", ["tiny", "125m", "0.5b", "1b", "1.5b", "2b"], "Model / schedule preset."
@@ -127,7 +129,12 @@ _FIELDS = {
         "Micro-batches per step (the micro-batch is batch_size / grad_accum_steps).",
     ),
     "batch_size": ("batch_size", flags.DEFINE_integer, "Global batch in sequences per step."),
-    "seq_len": ("model.seq_len", flags.DEFINE_integer, "Tokens per sequence."),
+    "seq_len": (
+        "model.seq_len",
+        flags.DEFINE_integer,
+        "Tokens per sequence (no positional limit; a run whose step cannot fit in memory "
+        "is refused).",
+    ),
     "l1_coef": ("sparsity.l1_coef", flags.DEFINE_float, "L1 activation penalty lambda."),
     "l1_warmup_steps": (
         "sparsity.l1_warmup_steps",
@@ -233,7 +240,11 @@ def main(argv):
     )
     try:
         summary = trainer.run(cfg, opts)
-    except (run_guards.WorkdirLockedError, run_guards.ScheduleChangeError) as e:
+    except (
+        run_guards.WorkdirLockedError,
+        run_guards.ScheduleChangeError,
+        step_memory.StepMemoryError,
+    ) as e:
         logging.error("refused: %s", e)
         return EXIT_REFUSED
     except run_guards.DivergenceError as e:

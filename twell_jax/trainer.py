@@ -6,7 +6,8 @@
    holding host and pid; a second run on the same workdir is refused with
    `WorkdirLockedError`);
 2. reads the prepared corpus (`twell_jax.corpus`, `twell_jax.input_pipeline`), builds the
-   mesh, the train state and the data iterator;
+   mesh, refuses a config whose train step clearly cannot fit in memory
+   (`twell_jax.step_memory`), and builds the train state and the data iterator;
 3. restores the newest checkpoint of `<workdir>/checkpoints` if there is one (train
    state, data-iterator position; a different saved config is a `ValueError`, a
    different `optim.total_steps` a `ScheduleChangeError` unless
@@ -44,7 +45,17 @@ import jax
 import numpy as np
 from absl import logging
 
-from twell_jax import checkpoint, corpus, input_pipeline, metrics, progress, sharding, train
+from twell_jax import (
+    checkpoint,
+    corpus,
+    input_pipeline,
+    metrics,
+    progress,
+    sharding,
+    step_memory,
+    switch_cost,
+    train,
+)
 from twell_jax.config import TrainConfig, config_to_dict
 from twell_jax.run_guards import (
     DivergenceError,
@@ -64,7 +75,12 @@ SKIPPED_KEY = "skipped_steps"
 # Config keys that may change between a checkpoint and its resumption, on top of the
 # checkpointer's defaults (step counts, cadences): restore reshards onto any mesh, and
 # neither remat nor the inference-only TwELL compression changes the training numbers.
-RESUME_IGNORE_KEYS = (*checkpoint.DEFAULT_IGNORE_KEYS, "mesh_shape", "remat", "twell_compression")
+# Keys that change speed or memory, not the function trained (both switch branches
+# compute the same FFN).
+RESUME_IGNORE_KEYS = (
+    *checkpoint.DEFAULT_IGNORE_KEYS,
+    *("mesh_shape", "remat", "twell_compression", "sparse_switch", "sparse_l0_cutoff"),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,6 +219,7 @@ def run(
       ScheduleChangeError: (a ValueError) resuming with another `optim.total_steps`
         without `opts.allow_schedule_change`, or with one below the checkpoint's step.
       WorkdirLockedError: another run holds the workdir.
+      StepMemoryError: (a ValueError) one train step cannot fit in device memory.
       DivergenceError: a non-finite loss, gradient norm or state; nothing was saved
         after the last good step.
       FileNotFoundError: `opts.data_dir` is not a prepared corpus.
@@ -236,13 +253,23 @@ class _Trainer:
         logging.info("data %s: %s", opts.data_dir, corpus.summary(meta))
 
         mesh = sharding.make_mesh(*cfg.mesh_shape)
+        need = step_memory.check_fits(cfg, mesh)
         logging.info(
-            "mesh %s over %d %s device(s), %d process(es)",
+            "mesh %s over %d %s device(s), %d process(es); a train step needs at least "
+            "%.2f GiB per device",
             dict(mesh.shape),
             mesh.size,
             jax.default_backend(),
             jax.process_count(),
+            need.total / step_memory.GIB,
         )
+        # The switch's cutoff for this layer shape, measured (or read back) before the
+        # resume check and config.json, so both see the cutoff the run uses (§7.1).
+        micro_tokens = cfg.batch_size // cfg.optim.grad_accum_steps * cfg.model.seq_len
+        cfg = switch_cost.resolve_cutoff(
+            cfg, opts.workdir if self.lead else None, micro_tokens // mesh.size
+        )
+        self.cfg = cfg
         self.placement = sharding.batch_sharding(mesh)
         self.state_finite = jax.jit(
             all_finite,

@@ -270,6 +270,16 @@ def test_divergence_exits_3_and_keeps_the_good_checkpoints(tmp_path, data_dir, c
     assert not (workdir / "run.lock").exists()
 
 
+@pytest.mark.slow
+def test_a_seq_len_too_long_for_memory_exits_2_before_compiling(tmp_path, data_dir, cache_dir):
+    # Any machine: the [S, S] attention probabilities alone are 2^44 bytes per layer.
+    workdir = tmp_path / "run"
+    proc = run_cli(workdir, data_dir, cache_dir, "--seq_len=1048576", check=False)
+    assert proc.returncode == 2, proc.stderr[-4000:]
+    assert "refused: model.seq_len=1048576" in proc.stderr and "To fit: " in proc.stderr
+    assert "compiled" not in proc.stderr and not (workdir / "config.json").exists()
+
+
 def test_log_filter_drops_only_orbax_info_and_unavailable_backend_notes():
     import logging
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tests.corpora import prepare_byte_corpus, write_text_corpus
-from twell_jax import checkpoint, metrics, run_guards, trainer
+from twell_jax import checkpoint, metrics, run_guards, step_memory, trainer
 from twell_jax import config as C
 
 
@@ -68,6 +68,17 @@ def test_run_refuses_a_locked_workdir_and_releases_on_errors(tmp_path, data_dir)
     # An error inside the run (no corpus) still removes the lock.
     with pytest.raises(FileNotFoundError):
         trainer.run(tiny_config(), dataclasses.replace(opts, data_dir=str(tmp_path / "none")))
+    assert not (workdir / run_guards.LOCK_FILE).exists()
+
+
+def test_a_step_that_cannot_fit_is_refused_before_anything_is_written(
+    tmp_path, data_dir, monkeypatch
+):
+    monkeypatch.setattr(step_memory, "available_memory", lambda: (2**16, 1, "the host"))
+    workdir = tmp_path / "run"
+    with pytest.raises(step_memory.StepMemoryError, match=r"model\.seq_len=16, .*the host has"):
+        trainer.run(tiny_config(), trainer.RunOptions(str(workdir), data_dir))
+    assert not (workdir / trainer.CONFIG_FILE).exists()
     assert not (workdir / run_guards.LOCK_FILE).exists()
 
 
