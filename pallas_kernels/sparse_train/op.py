@@ -18,7 +18,8 @@ backward  Pallas row kernels: dT = gO Wd^T at the entries + (dL/dl1 / M) sign(T)
 fallback  when the heavy rows exceed the largest tail capacity, or x or a weight holds
           a NaN or Inf, the whole call (forward and backward) runs the dense formula,
           which propagates non-finite values exactly as the reference does;
-          `stats["dense_fallback"]` says so.
+          `stats["dense_fallback"]` says so. A NaN or Inf that arrives only with the
+          backward's incoming gradient runs the dense backward alone.
 
 No host round trips: the choices (tail bucket, fallback) are `lax.cond` / `lax.switch`
 on device values whose branches hold only kernels, GEMMs and fusions, so XLA runs them
@@ -306,7 +307,11 @@ def _op_bwd(static, res, cts):
         with jax.named_scope("twell_dense_fallback_bwd"):
             return _dense_fallback_bwd(x, g_out, wg, wu, wd, scale, cfg.fallback_block_rows)
 
-    dx, dwg, dwu, dwd = lax.cond(bucket == len(caps), dense, sparse, None)
+    # A non-finite upstream gradient (or l1 cotangent) also runs the dense backward: the
+    # sparse one would carry it only along the pattern, where the dense formula's
+    # 0 * NaN spreads it through every neuron's weight gradient.
+    cts_finite = jnp.isfinite(g_out).all() & jnp.isfinite(scale)
+    dx, dwg, dwu, dwd = lax.cond((bucket == len(caps)) | ~cts_finite, dense, sparse, None)
     return jnp.zeros_like(l1_coef), dx, dwg, dwu, dwd
 
 

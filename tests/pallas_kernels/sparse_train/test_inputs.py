@@ -126,6 +126,36 @@ def test_nonfinite_propagates_like_the_dense_reference(interpret, where):
         assert bad.tolist() == [i == 3 for i in range(M)]
 
 
+@pytest.mark.parametrize("bad", ["g_nan_row", "g_inf", "l1_nan"])
+@pytest.mark.parametrize("interpret", MODES)
+def test_nonfinite_upstream_gradient_propagates_like_the_dense_reference(interpret, bad):
+    """Finite inputs, a NaN / Inf only in the backward's incoming gradient: the dense
+    formula spreads it through every neuron's weight gradient (0 * NaN), and so does
+    the op (its dense backward), not only along the sparse pattern."""
+    inputs = make_inputs(3, M, H, N, nnz=8)
+    proj = inputs[4]
+    if bad == "g_nan_row":
+        proj = proj.at[4].set(jnp.nan)
+    elif bad == "g_inf":
+        proj = proj.at[6, 1].set(jnp.inf)
+    lam = jnp.nan if bad == "l1_nan" else LAM
+
+    def sparse(x, wg, wu, wd):
+        out, stats = sparse_gated_mlp_train(x, wg, wu, wd, config=CFG, interpret=interpret)
+        return jnp.sum(out.astype(jnp.float32) * proj) + lam * stats["l1"]
+
+    def dense(x, wg, wu, wd):
+        out = ref.gated_mlp(x, wg, wu, wd)
+        l1 = ref.l1_of_hidden(ref.gated_hidden(x, wg, wu))
+        return jnp.sum(out.astype(jnp.float32) * proj) + lam * l1
+
+    grads = jax.jit(jax.grad(sparse, argnums=(0, 1, 2, 3)))(*inputs[:4])
+    ref_grads = jax.grad(dense, argnums=(0, 1, 2, 3))(*inputs[:4])
+    assert not np.isfinite(f32(ref_grads[2])).all()  # not vacuous: dWu is poisoned
+    for g, r in zip(grads, ref_grads, strict=True):
+        _assert_same_nonfinite(g, r, GRAD_RTOL, exact=bad != "g_inf")
+
+
 @pytest.mark.parametrize("interpret", MODES)
 def test_finite_inputs_keep_the_sparse_path(interpret):
     inputs = make_inputs(2, M, H, N, nnz=8)
