@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the GPU test suite, then the benchmarks.
-#   bash experiments/gpu_check.sh [tests|kernel|train|model|train_model|patterns|tune|train_tune|memory|quality|l1sweep|all]...
+#   bash experiments/gpu_check.sh [tests|kernel|train|model|train_model|patterns|switch|captured|tune|train_tune|memory|quality|l1sweep|all]...
 # Results (JSON and logs) go to $OUT when set, else results/ (README.md, "Reproduce").
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -42,6 +42,23 @@ for what in "${@:-all}"; do
       python3 -m experiments.benchmark --mode=train_model --reps=8 --model_presets=2b \
         --model_nnz=31.4 --pattern=skew --out="$OUT/train_model_2b_skew_h200.json" \
         || status=1 ;;
+    switch)  # where the per-layer switch puts its cutoff, at the 2B and 125M layer shapes
+      python3 -m experiments.benchmark --mode=switch --model_presets=2b --train_tokens=16384 \
+        --reps=10 --out="$OUT/switch_2b_m16384.json" || status=1
+      python3 -m experiments.benchmark --mode=switch --model_presets=125m --train_tokens=32768 \
+        --reps=10 --out="$OUT/switch_125m_m32768.json" || status=1 ;;
+    captured)  # two 125M L1 runs (dense FFNs), their neuron profiles, the op on their layers
+      for lam in ${L1_SWEEP:-2e-4 1e-3}; do
+        run="/tmp/runs/125m_captured_$lam"
+        python3 -m experiments.pretrain --flagfile=experiments/configs/125m.flags \
+          --l1_coef="$lam" --ffn_impl=dense --workdir="$run" > "$OUT/125m_l1_${lam}_log.txt" 2>&1 \
+          || status=1
+        python3 -m experiments.neuron_profile --workdir="$run" --out="$OUT/profile_125m_l1_$lam.json" \
+          || status=1
+        python3 -m experiments.benchmark --mode=train --pattern=captured --capture_workdir="$run" \
+          --capture_layers=0,3,6,9,11 --reps=20 --out="$OUT/train_captured_125m_l1_$lam.json" \
+          || status=1
+      done ;;
     tune) python3 -m experiments.benchmark --mode=tune --out="$OUT/tune_h200.json" || status=1 ;;
     train_tune) python3 -m experiments.benchmark --mode=train_tune \
                   --out="$OUT/train_tune_h200.json" || status=1 ;;
