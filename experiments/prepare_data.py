@@ -17,7 +17,7 @@ from pathlib import Path
 
 from absl import app, flags, logging
 
-from twell_jax import corpus, tokenizer
+from twell_jax import corpus, documents, tokenizer
 
 _DATA_DIR = flags.DEFINE_string("data_dir", None, "Output directory.", required=True)
 _INPUTS = flags.DEFINE_list(
@@ -34,7 +34,7 @@ _TEXT_FIELD = flags.DEFINE_string("text_field", "text", "Text field of .jsonl re
 _ON_INVALID_UTF8 = flags.DEFINE_enum(
     "on_invalid_utf8",
     "error",
-    list(corpus.ON_INVALID_UTF8),
+    list(documents.ON_INVALID_UTF8),
     "--inputs that are not valid UTF-8: 'error' names the file and byte offset, 'replace' "
     "substitutes U+FFFD per invalid sequence and counts them in meta.json.",
 )
@@ -46,13 +46,13 @@ _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace an existing prepared
 def _documents():
     """A fresh iterator over the selected corpus (BPE training reads it once more)."""
     if _INPUTS.value:
-        return corpus.file_documents(_INPUTS.value, _TEXT_FIELD.value, _ON_INVALID_UTF8.value)
-    return corpus.stdlib_documents(_MAX_BYTES.value)
+        return documents.file_documents(_INPUTS.value, _TEXT_FIELD.value, _ON_INVALID_UTF8.value)
+    return documents.stdlib_documents(_MAX_BYTES.value)
 
 
 def main(argv):
     del argv
-    source = ",".join(_INPUTS.value) or f"stdlib:{corpus.stdlib_root()}"
+    source = ",".join(_INPUTS.value) or f"stdlib:{documents.stdlib_root()}"
     if (Path(_DATA_DIR.value) / corpus.META_FILE).exists() and not _OVERWRITE.value:
         raise app.UsageError(f"{_DATA_DIR.value} is already prepared; pass --overwrite")
     if _BPE_VOCAB_SIZE.value:

@@ -34,10 +34,10 @@ def write_text_corpus(root: Path) -> tuple[list[Path], list[str]]:
 def prepare_byte_corpus(paths: list[Path], out: Path) -> dict:
     """Prepares `write_text_corpus`'s paths into out with the byte tokenizer in small
     shards (a quarter of the documents for validation); returns the meta."""
-    from twell_jax import corpus, tokenizer
+    from twell_jax import corpus, documents, tokenizer
 
     return corpus.prepare_corpus(
-        corpus.file_documents(paths),
+        documents.file_documents(paths),
         out,
         tokenizer.ByteTokenizer(),
         source="test",

@@ -5,7 +5,7 @@ import functools
 import numpy as np
 import pytest
 
-from twell_jax import corpus, tokenizer
+from twell_jax import corpus, documents, tokenizer
 
 
 def test_prepare_writes_every_document_separated_by_eos(prepared):
@@ -30,7 +30,7 @@ def test_prepare_is_deterministic_and_refuses_overwrite(tmp_path, text_corpus, p
     out, meta, _ = prepared
     again = tmp_path / "again"
     meta2 = corpus.prepare_corpus(
-        corpus.file_documents(text_corpus[0]),
+        documents.file_documents(text_corpus[0]),
         again,
         tokenizer.ByteTokenizer(),
         source="test",
@@ -44,18 +44,9 @@ def test_prepare_is_deterministic_and_refuses_overwrite(tmp_path, text_corpus, p
         corpus.prepare_corpus([], out, tokenizer.ByteTokenizer(), source="test")
 
 
-def test_bad_inputs_name_the_file(tmp_path):
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"text": "ok"}\n{"text": 3}\n')
-    with pytest.raises(ValueError, match=r"bad.jsonl:2"):
-        list(corpus.file_documents([bad]))
-    with pytest.raises(FileNotFoundError, match="nope"):
-        list(corpus.file_documents([tmp_path / "nope"]))
-
-
 def test_ensure_default_data_prepares_stdlib_once(tmp_path, monkeypatch):
     # A 300 kB slice of the stdlib keeps the test fast; the full corpus takes ~1.5 s.
-    small = functools.partial(corpus.stdlib_documents, max_bytes=300_000)
+    small = functools.partial(documents.stdlib_documents, max_bytes=300_000)
     monkeypatch.setattr(corpus, "stdlib_documents", small)
     meta = corpus.ensure_default_data(tmp_path / "d", "byte")
     assert meta["source"].startswith("stdlib:") and meta["splits"]["train"]["num_docs"] > 5
@@ -66,28 +57,15 @@ def test_ensure_default_data_prepares_stdlib_once(tmp_path, monkeypatch):
         corpus.ensure_default_data(tmp_path / "d", bpe.spec)
 
 
-def test_invalid_utf8_is_an_error_naming_file_and_offset(tmp_path):
-    txt = tmp_path / "a.txt"
-    txt.write_bytes("héllo ".encode() + b"\xe2\x82 x")
-    with pytest.raises(ValueError, match=r"a\.txt: invalid UTF-8 at byte offset 7 "):
-        list(corpus.file_documents([txt]))
-    jsonl = tmp_path / "b.jsonl"
-    jsonl.write_bytes(b'{"text": "ok"}\n{"text": "\xff"}\n')
-    with pytest.raises(ValueError, match=r"b\.jsonl: invalid UTF-8 at byte offset 25 "):
-        list(corpus.file_documents([jsonl]))
-    with pytest.raises(ValueError, match="on_invalid_utf8"):
-        list(corpus.file_documents([txt], on_invalid_utf8="ignore"))
-
-
 def test_replace_counts_like_python_replace(tmp_path):
     data = np.random.default_rng(0).integers(0, 256, 4000, dtype=np.uint8).tobytes()
     (tmp_path / "r.txt").write_bytes(data)
-    (doc,) = corpus.file_documents([tmp_path / "r.txt"], on_invalid_utf8="replace")
+    (doc,) = documents.file_documents([tmp_path / "r.txt"], on_invalid_utf8="replace")
     assert doc.text == data.decode("utf-8", errors="replace")
     assert doc.replaced > 100
     jsonl = tmp_path / "r.jsonl"
     jsonl.write_bytes(b'{"text": "a\xff\xfe"}\n{"text": "b"}\n')
-    docs = list(corpus.file_documents([jsonl], on_invalid_utf8="replace"))
+    docs = list(documents.file_documents([jsonl], on_invalid_utf8="replace"))
     assert [(d.text, d.replaced) for d in docs] == [("a\ufffd\ufffd", 2), ("b", 0)]
     meta = corpus.prepare_corpus(
         docs, tmp_path / "out", tokenizer.ByteTokenizer(), source="t", val_fraction=0
@@ -98,11 +76,11 @@ def test_replace_counts_like_python_replace(tmp_path):
 def test_empty_inputs_are_errors(tmp_path):
     (tmp_path / "d").mkdir()
     with pytest.raises(ValueError, match=r"d holds no .*\.txt"):
-        list(corpus.file_documents([tmp_path / "d"]))
+        list(documents.file_documents([tmp_path / "d"]))
     tok = tokenizer.ByteTokenizer()
     with pytest.raises(ValueError, match="is empty: no documents"):
         corpus.prepare_corpus([], tmp_path / "o1", tok, source="t")
-    docs = [corpus.Document("a", ""), corpus.Document("b", "")]
+    docs = [documents.Document("a", ""), documents.Document("b", "")]
     with pytest.raises(ValueError, match="is empty: 2 documents, all without text"):
         corpus.prepare_corpus(docs, tmp_path / "o2", tok, source="t")
     assert not (tmp_path / "o2" / corpus.META_FILE).exists()
@@ -113,7 +91,7 @@ def test_empty_inputs_are_errors(tmp_path):
 def test_too_small_for_val_warns_with_counts(tmp_path, monkeypatch):
     warnings = []
     monkeypatch.setattr(corpus.logging, "warning", lambda msg, *a: warnings.append(msg % a))
-    docs = [corpus.Document("only", "abc")]
+    docs = [documents.Document("only", "abc")]
     meta = corpus.prepare_corpus(
         docs, tmp_path / "o", tokenizer.ByteTokenizer(), source="t", val_fraction=0.01
     )
