@@ -1,9 +1,11 @@
 """Pallas GPU kernels (Triton backend) for TwELL sparse transformer MLPs.
 
-Public API: the inference ops (TwELL) and their stage configs, the training op (hybrid
-ELL + dense tail) and its remat residual name; the kernels and formats live in their own modules.
+Public API: the inference ops (TwELL) and their stage configs, the decode op (gate GEMV,
+then the active rows), the training op (hybrid ELL + dense tail) and its remat residual
+name; the kernels and formats live in their own modules.
 """
 
+from pallas_kernels.decode import DecodeStats, sparse_decode_mlp
 from pallas_kernels.sparse_train import (
     RESIDUALS_NAME,
     SparseTrainConfig,
@@ -21,10 +23,12 @@ from pallas_kernels.twell import (
 
 __all__ = [
     "RESIDUALS_NAME",
+    "DecodeStats",
     "PackConfig",
     "SparseTrainConfig",
     "T2DConfig",
     "TwellStats",
+    "sparse_decode_mlp",
     "sparse_gated_mlp_train",
     "sparse_train_supported",
     "twell_gated_mlp",
