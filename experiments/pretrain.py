@@ -31,10 +31,11 @@ the (K+1)-th stops the run as above.
 Exit codes:
   0    done (--steps or --stop_at reached, or nothing left to do)
   1    an unexpected error (traceback)
-  2    refused: the workdir is locked by another run, or the resume would change the
-       schedule (--steps) without --allow_schedule_change, or go below the checkpoint,
-       or one train step clearly cannot fit in memory (twell_jax.step_memory: --seq_len
-       has no positional limit, memory bounds it)
+  2    refused: the workdir is locked by another run, or the checkpoint's config differs
+       (the message lists the fields), or checkpoints exist with --noresume, or the
+       resume would change the schedule (--steps) without --allow_schedule_change, or go
+       below the checkpoint, or one train step clearly cannot fit in memory
+       (twell_jax.step_memory: --seq_len has no positional limit, memory bounds it)
   3    diverged: a non-finite loss, gradient norm or state (past --skip_nonfinite);
        nothing saved after it
   130  interrupted by SIGINT (Ctrl-C) after saving a checkpoint; 143 for SIGTERM
@@ -64,8 +65,8 @@ from typing import Any
 import jax
 from absl import app, flags, logging
 
+from twell_jax import checkpoint, corpus, overrides, run_guards, step_memory, trainer
 from twell_jax import config as config_lib
-from twell_jax import corpus, overrides, run_guards, step_memory, trainer
 
 _PRESET = flags.DEFINE_enum(
     "preset", "tiny", ["tiny", "125m", "0.5b", "1b", "1.5b", "2b"], "Model / schedule preset."
@@ -100,6 +101,14 @@ _SKIP_NONFINITE = flags.DEFINE_integer(
 )
 
 EXIT_REFUSED = 2
+# What a run refuses to do (exit EXIT_REFUSED, one line, no traceback).
+REFUSALS = (
+    run_guards.WorkdirLockedError,
+    run_guards.ScheduleChangeError,
+    run_guards.ResumeRefusedError,
+    checkpoint.ConfigMismatchError,
+    step_memory.StepMemoryError,
+)
 EXIT_DIVERGED = 3
 _DISTRIBUTED = flags.DEFINE_bool(
     "distributed",
@@ -240,11 +249,7 @@ def main(argv):
     )
     try:
         summary = trainer.run(cfg, opts)
-    except (
-        run_guards.WorkdirLockedError,
-        run_guards.ScheduleChangeError,
-        step_memory.StepMemoryError,
-    ) as e:
+    except REFUSALS as e:
         logging.error("refused: %s", e)
         return EXIT_REFUSED
     except run_guards.DivergenceError as e:

@@ -61,6 +61,10 @@ class CheckpointCorruptError(ValueError):
         self.details = details or message
 
 
+class ConfigMismatchError(ValueError):
+    """The saved config differs from the current one; the message lists the keys."""
+
+
 class _QuietReads:
     """Holds back what Orbax, TensorStore and asyncio print during a restore; drops it
     if a read failed.
@@ -226,7 +230,7 @@ class Checkpointer:
         Raises:
           FileNotFoundError: there is no checkpoint (or not `step`).
           CheckpointCorruptError: `step` (or, with step=None, every step) is unreadable.
-          ValueError: the saved config differs from `config`.
+          ConfigMismatchError: (a ValueError) the saved config differs from `config`.
         """
         self.wait()
         abstract_state = jax.tree.map(_abstract, abstract_state)
@@ -396,12 +400,13 @@ def check_config(
     """Raises if two (nested) config dicts differ outside `ignore_keys`.
 
     Raises:
-      ValueError: listing each differing dotted key with its saved and current value.
+      ConfigMismatchError: (a ValueError) listing each differing dotted key with its
+        saved and current value.
     """
     diff = config_diff(saved, current, ignore_keys)
     if diff:
         lines = "\n".join(f"  {k}: saved {a!r}, current {b!r}" for k, (a, b) in diff.items())
-        raise ValueError(
+        raise ConfigMismatchError(
             f"config differs from {where} in {len(diff)} key(s):\n{lines}\n"
             "use the saved config, a new checkpoint dir, or extend ignore_keys"
         )

@@ -57,6 +57,10 @@ class ScheduleChangeError(ValueError):
     """A resume that would change the schedule's length, or go back before the checkpoint."""
 
 
+class ResumeRefusedError(ValueError):
+    """The workdir holds checkpoints but the run was told not to resume."""
+
+
 class WorkdirLockedError(RuntimeError):
     """Another live run holds the workdir lock; the message names its host and pid."""
 

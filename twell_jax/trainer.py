@@ -59,6 +59,7 @@ from twell_jax import (
 from twell_jax.config import TrainConfig, config_to_dict
 from twell_jax.run_guards import (
     DivergenceError,
+    ResumeRefusedError,
     StopRequest,
     WorkdirLock,
     all_finite,
@@ -166,7 +167,7 @@ def _restore_or_init(cfg, mesh, ckpt, train_iter, opts) -> tuple[train.TrainStat
     """
     latest = ckpt.latest_step()
     if latest is not None and not opts.resume:
-        raise ValueError(
+        raise ResumeRefusedError(
             f"{ckpt.directory} holds checkpoints (latest step {latest}) but resume is off: "
             "use a fresh workdir or resume"
         )
@@ -214,8 +215,10 @@ def run(
       the last `val_ce` when they exist.
 
     Raises:
-      ValueError: the corpus's vocabulary does not fit the model, the saved config
-        differs from `cfg`, or checkpoints exist while `opts.resume` is off.
+      ValueError: the corpus's vocabulary does not fit the model.
+      ConfigMismatchError: (a ValueError, `twell_jax.checkpoint`) the saved config
+        differs from `cfg`.
+      ResumeRefusedError: (a ValueError) checkpoints exist while `opts.resume` is off.
       ScheduleChangeError: (a ValueError) resuming with another `optim.total_steps`
         without `opts.allow_schedule_change`, or with one below the checkpoint's step.
       WorkdirLockedError: another run holds the workdir.

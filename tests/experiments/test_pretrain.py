@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from twell_jax import corpus, metrics, tokenizer
+from twell_jax import corpus, documents, metrics, tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 # A resumed run restores the exact state, and XLA on CPU is deterministic, so only
@@ -61,7 +61,7 @@ def data_dir(tmp_path_factory) -> Path:
         "fire",
     ]
     docs = [
-        corpus.Document(f"doc{i}.txt", " ".join(rng.choice(words, size=120))) for i in range(120)
+        documents.Document(f"doc{i}.txt", " ".join(rng.choice(words, size=120))) for i in range(120)
     ]
     out = tmp_path_factory.mktemp("corpus")
     meta = corpus.prepare_corpus(
@@ -195,7 +195,8 @@ def test_more_steps_resume(tmp_path, straight, data_dir, cache_dir):
 
     # A different learning rate is not the same run: refused, naming the field.
     proc = run_cli(workdir, data_dir, cache_dir, "--steps=12", "--lr=5e-4", check=False)
-    assert proc.returncode != 0 and "optim.lr" in proc.stderr
+    assert proc.returncode == 2 and "refused: config differs" in proc.stderr
+    assert "optim.lr: saved" in proc.stderr and "Traceback" not in proc.stderr
     # Fewer steps than the checkpoint's is an error, not "done".
     proc = run_cli(
         workdir, data_dir, cache_dir, "--steps=3", "--allow_schedule_change", check=False

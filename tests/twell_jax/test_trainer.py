@@ -186,9 +186,9 @@ def test_rejected_resume_leaves_config_json_unchanged(tmp_path, finished, data_d
     before = (workdir / trainer.CONFIG_FILE).read_bytes()
     metrics_before = (workdir / "metrics.jsonl").read_bytes()
     opts = trainer.RunOptions(str(workdir), data_dir)
-    with pytest.raises(ValueError, match=r"optim\.lr"):
+    with pytest.raises(checkpoint.ConfigMismatchError, match=r"optim\.lr"):
         trainer.run(tiny_config(lr=1e-2), opts)
-    with pytest.raises(ValueError, match="resume is off"):
+    with pytest.raises(run_guards.ResumeRefusedError, match="resume is off"):
         trainer.run(tiny_config(lr=1e-2), dataclasses.replace(opts, resume=False))
     with pytest.raises(run_guards.ScheduleChangeError, match="--allow_schedule_change"):
         trainer.run(tiny_config(steps=4), opts)
