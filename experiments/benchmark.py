@@ -18,6 +18,8 @@ dense FFNs, on the same synthetic-sparsity weights (experiments/benchmark_train_
 switch: where the per-layer switch puts its cutoff for each --model_presets layer shape
 at M=--train_tokens (`twell_jax.switch_cost.measure`: both branches on every pattern
 over an l0 grid) and how far from the faster branch it runs at worst.
+decode: decode-size MLPs (M in --decode_tokens), dense XLA against sparse_decode_mlp and
+twell_gated_mlp, interleaved (experiments/benchmark_decode.py).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_enum(
     "mode",
     "kernel",
-    ["kernel", "tune", "train", "train_tune", "model", "train_model", "switch"],
+    ["kernel", "tune", "train", "train_tune", "model", "train_model", "switch", "decode"],
     "What to measure.",
 )
 flags.DEFINE_list("model_presets", ["1.5b", "2b"], "Presets of --mode=model.")
@@ -88,6 +90,8 @@ flags.DEFINE_list(
 flags.DEFINE_integer("d_model", 2048, "H.")
 flags.DEFINE_integer("d_ff", 5632, "N.")
 flags.DEFINE_integer("compression", 8, "TwELL compression C.")
+flags.DEFINE_list("decode_tokens", ["1", "8", "64", "512"], "Token counts M of --mode=decode.")
+flags.DEFINE_float("decode_nnz", 29.0, "Positive gate entries per token of --mode=decode.")
 flags.DEFINE_multi_string(
     "tune_d2t_cfg",
     ["128,64,128,8,3", "128,64,64,8,3", "128,64,128,8,4", "64,64,128,8,3"],
@@ -424,6 +428,20 @@ def main(argv):
                     {k: case[k] for k in ("preset", "shape", "cutoff", "cutoffs", "max_regret")}
                 )
             )
+    elif FLAGS.mode == "decode":
+        from experiments import benchmark_decode
+
+        result["cases"] = benchmark_decode.run(
+            [int(m) for m in FLAGS.decode_tokens],
+            h,
+            n,
+            FLAGS.decode_nnz,
+            FLAGS.reps,
+            FLAGS.pattern,
+            sigma=FLAGS.pattern_sigma,
+            compression=c,
+            warmup=FLAGS.warmup,
+        )
     elif FLAGS.mode == "train_tune":
         result["tune"] = benchmark_train.tune(M=FLAGS.train_tokens, H=h, N=n)
     else:

@@ -1,0 +1,27 @@
+"""--mode=decode's `run` on CPU at a tiny shape (every path is plain XLA there)."""
+
+import json
+
+import pytest
+
+from experiments import benchmark_decode
+
+
+def test_decode_benchmark_records_every_path_per_m():
+    records = benchmark_decode.run(
+        (1, 3), 64, 256, 4.0, 1, "skew", layers=2, capacities=(8, 16), warmup=1, inner=1
+    )
+    json.dumps(records)  # JSON-able as written
+    assert [r["M"] for r in records] == [1, 3]
+    for rec in records:
+        assert rec["layers"] == 2 and len(rec["active_neurons_per_layer"]) == 2
+        for name in ("dense", "sparse", "twell"):
+            assert rec[f"{name}_ms"] > 0
+            assert rec[f"{name}_tokens_per_s"] == pytest.approx(rec["M"] / rec[f"{name}_ms"] * 1e3)
+        assert rec["speedup_sparse"] == pytest.approx(rec["dense_ms"] / rec["sparse_ms"])
+        assert set(rec["ratios"]) == {"dense/sparse", "dense/twell", "sparse/twell"}
+        assert rec["sparse_max_rel_err"] < 1e-2  # bf16 against the dense MLP
+        assert rec["sparse_bytes_per_layer"] < rec["dense_bytes_per_layer"]
+        for k, cap in zip(rec["active_neurons_per_layer"], rec["capacity_per_layer"], strict=True):
+            assert cap == next((c for c in (8, 16) if c >= k), -1)
+        assert rec["dense_fallback_layers"] == rec["capacity_per_layer"].count(-1)
