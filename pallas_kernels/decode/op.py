@@ -21,8 +21,8 @@ No Pallas kernel, by the bytes moved (bf16, H = 2048, N = 5632): each weight is
 23.1 MB, a dense step reads 69.2 MB. XLA's gather writes the [C, H] rows it reads and
 the GEMM reads them again, 3 x 4 KB per slot and matrix, 24.6 KB per slot for W_up and
 W_down together: 1.6 MB at C = 64 (M = 1, ~29 active), 25.2 MB at C = 1024, so a
-step moves 24.7-48.3 MB against 69.2. A fused gather-dot kernel would read each row
-once (8 KB per slot): at C = 64 that saves 1 MB of 24.7 (4%; the gate GEMV is 94% of
+step moves 24.6-48.2 MB against 69.2. A fused gather-dot kernel would read each row
+once (8 KB per slot): at C = 64 that saves 1 MB of 24.6 (4%; the gate GEMV is 94% of
 the bytes), at C = 1024 a third. The unfused gathers break even with dense near
 C = 1880, which is why the largest default capacity is 1024; a fused kernel earns its
 place only if GPU timing shows the large-C end matters.
