@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import pallas_kernels
 
 FFN_VARIANTS = ("gated_relu", "relu", "gated_silu")
-FFN_IMPLS = ("dense", "twell", "sparse")
+FFN_IMPLS = ("dense", "twell", "sparse", "decode")
 L1_TARGETS = ("activations", "weights")
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -58,7 +58,9 @@ class ModelConfig:
       ffn_variant: "gated_relu" relu(x Wg^T) * (x Wu^T), "relu" relu(x Wu^T), or
         "gated_silu" silu(x Wg^T) * (x Wu^T) (the dense Llama baseline).
       ffn_impl: "dense" (XLA, exact stats), "twell" (Pallas TwELL inference, no
-        gradient) or "sparse" (Pallas sparse training kernels, gated_relu only).
+        gradient), "sparse" (Pallas sparse training kernels, gated_relu only) or
+        "decode" (`pallas_kernels.sparse_decode_mlp`: inference on a few tokens per
+        call, gated_relu only, bf16 or fp32).
       twell_compression: C of the TwELL format (ffn_impl="twell").
       sparse_ell_width: W of the sparse training op's ELL rows (ffn_impl="sparse"): a
         token with more positive gate entries in a layer goes to the dense tail. The
@@ -134,13 +136,21 @@ class ModelConfig:
                 self.ffn_variant != "gated_silu",
                 "needs a ReLU FFN (ffn_variant 'gated_relu' or 'relu'), not 'gated_silu'",
             )
-            _require(self, "dtype", self.dtype == "bfloat16", f"must be 'bfloat16' {kernels}")
+            if self.ffn_impl != "decode":
+                _require(self, "dtype", self.dtype == "bfloat16", f"must be 'bfloat16' {kernels}")
         shape = f"d_model={self.d_model}, d_ff={self.d_ff}"
         if self.ffn_impl == "twell":
             reason = pallas_kernels.twell_supported(self.d_model, self.d_ff, self.twell_compression)
             shape += f", twell_compression={self.twell_compression}"
             _require(
                 self, "ffn_impl", reason is None, f"the TwELL kernels reject {shape}: {reason}"
+            )
+        if self.ffn_impl == "decode":
+            _require(
+                self,
+                "ffn_impl",
+                self.ffn_variant == "gated_relu",
+                "the decode path implements ffn_variant='gated_relu' only",
             )
         if self.ffn_impl == "sparse":
             _require(

@@ -18,12 +18,16 @@ Without a streaming callback the decode steps run in one `lax.while_loop` that s
 when every row has produced a stop token; with one, a Python loop calls the jitted
 step and hands each new column of tokens to the callback.
 
-FFN (`ffn`): "dense" runs the dense XLA FFN everywhere; "sparse" runs the prefill
-through the TwELL inference kernels (`ffn_impl="twell"`: a ReLU FFN, bf16, kernel-
-supported widths) and the decode steps dense (a handful of tokens per step; the
-kernels target large M); "auto" is "sparse" for a model configured with
-ffn_impl="twell" and "dense" otherwise (the sparse training kernels have no
-inference advantage over dense, as in `train.make_eval_step`).
+FFN (`ffn`), picked by the tokens per call: "dense" runs the dense XLA FFN
+everywhere; "sparse" runs the prefill (B x P tokens) through the TwELL inference
+kernels (`ffn_impl="twell"`: a gated ReLU FFN, kernel-supported widths; a bf16
+model — with fp32 compute the prefill stays dense) and the decode steps (B tokens)
+through `ffn_impl="decode"` (`pallas_kernels.sparse_decode_mlp`: the gate GEMV, then
+only the batch's active rows of W_up and W_down, docs/design.md §4.5; a non-gated
+model decodes densely); "auto" is
+"sparse" for a model configured with ffn_impl="twell" or "decode" and "dense"
+otherwise (the sparse training kernels have no inference advantage over dense, as in
+`train.make_eval_step`).
 """
 
 from __future__ import annotations
@@ -108,8 +112,12 @@ def inference_configs(cfg: ModelConfig, ffn: str = "auto") -> tuple[ModelConfig,
     if ffn not in FFN_MODES:
         raise ValueError(f"ffn={ffn!r}: must be one of {FFN_MODES}")
     dense = dataclasses.replace(cfg, ffn_impl="dense", remat=False)
-    if ffn == "sparse" or (ffn == "auto" and cfg.ffn_impl == "twell"):
-        return dataclasses.replace(dense, ffn_impl="twell"), dense
+    if ffn == "sparse" or (ffn == "auto" and cfg.ffn_impl in ("twell", "decode")):
+        # The decode path is gated only; a non-gated ReLU model decodes densely.
+        decode = dataclasses.replace(dense, ffn_impl="decode") if cfg.gated else dense
+        if cfg.dtype != "bfloat16":  # the TwELL kernels are bf16; the decode path is not
+            return dense, decode
+        return dataclasses.replace(dense, ffn_impl="twell"), decode
     return dense, dense
 
 

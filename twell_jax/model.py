@@ -16,6 +16,10 @@ FFN implementations (`ModelConfig.ffn_impl`):
   no sparse gradient); statistics are l0 and TwELL overflow counters only.
 - "sparse": `pallas_kernels.sparse_gated_mlp_train` on layers whose `use_sparse` flag is
   set, the dense path on the others (the l0-cutoff switch, docs/design.md §7).
+- "decode": `pallas_kernels.sparse_decode_mlp` (the gate GEMV, then only the active
+  rows of W_up and W_down; docs/design.md §4.5), for generation's few tokens per step;
+  inference only (its backward is no cheaper than dense); statistics l0 and the dense
+  fallback flag.
 
 Multi-device: trace the model under `jax.set_mesh(mesh)` with a `twell_jax.sharding`
 mesh (`twell_jax.train` does); activations are then kept split over the batch and the
@@ -234,6 +238,18 @@ def _ffn_sparse(x: jax.Array, w: dict[str, jax.Array], ell_width: int) -> tuple[
     }
 
 
+def _ffn_decode(x: jax.Array, w: dict[str, jax.Array]) -> tuple[jax.Array, Stats]:
+    """The small-M decode path (gated ReLU). x [M, H] bf16 or fp32 -> [M, H] x.dtype.
+
+    Stats: `l0` fp32 (positive gate entries per token) and `dense_fallback` int32 (1 when
+    the batch's active neurons outgrew the largest gather capacity).
+    """
+    out, stats = pallas_kernels.sparse_decode_mlp(
+        x, w["w_gate"], w["w_up"], w["w_down"], return_stats=True
+    )
+    return out, {"l0": stats.l0, "dense_fallback": stats.dense_fallback}
+
+
 def _ffn_dense_counted(x: jax.Array, w: dict[str, jax.Array]) -> tuple[jax.Array, Stats]:
     """`_ffn_dense` (gated ReLU) with zero overflow counters, the other branch of the switch."""
     out, stats = _ffn_dense(x, w, "gated_relu")
@@ -290,6 +306,8 @@ class FeedForward(nnx.Module):
         if cfg.ffn_impl == "twell":
             twell = lambda x, w: _ffn_twell(x, w, cfg.twell_compression)
             return _per_batch_shard(twell)(x, w)
+        if cfg.ffn_impl == "decode":
+            return _per_batch_shard(_ffn_decode)(x, w)
         if cfg.ffn_impl == "sparse":
             sparse = lambda x, w: _ffn_sparse(x, w, cfg.sparse_ell_width)
             return jax.lax.cond(use_sparse, _per_batch_shard(sparse), _ffn_dense_counted, x, w)

@@ -7,9 +7,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import pallas_kernels
 from tests.twell_jax.test_model import forward_fn, init_params, small_model
+from twell_jax import config, synthetic, train
 from twell_jax import generate as G
 from twell_jax import model as M
 
@@ -124,8 +126,36 @@ def test_ffn_modes_pick_the_prefill_and_decode_paths():
     twell = small_model(ffn_impl="twell")
     impls = lambda c, f: tuple(x.ffn_impl for x in G.inference_configs(c, f))
     assert impls(cfg, "auto") == impls(cfg, "dense") == ("dense", "dense")
-    assert impls(cfg, "sparse") == impls(twell, "auto") == ("twell", "dense")
+    assert impls(cfg, "sparse") == impls(twell, "auto") == ("twell", "decode")
+    assert impls(small_model(ffn_impl="decode"), "auto") == ("twell", "decode")
     assert impls(small_model(ffn_impl="sparse"), "auto") == ("dense", "dense")
+    # fp32 compute: no TwELL prefill; a non-gated model: no decode path
+    assert impls(small_model(dtype="float32"), "sparse") == ("dense", "decode")
+    assert impls(small_model(ffn_variant="relu"), "sparse") == ("twell", "dense")
+
+
+def test_sparse_decode_gives_the_dense_tokens_on_a_sparse_model():
+    """fp32, a tiny model whose gates are calibrated to ~24 of 512 positive per token
+    (as trained with L1): 64 greedy tokens per prompt through the decode path's
+    gathered rows equal the dense FFN's, and the gathered branch (not the dense
+    fallback) is what ran."""
+    params, l0 = synthetic.synthetic_sparse_params("tiny", 24.0, calib_tokens=(4, 128))
+    assert 10 < float(np.mean(l0)) < 40
+    params = jax.tree.map(lambda a: a.astype(jnp.float32), params)
+    cfg = config.model_preset("tiny", dtype="float32", remat=False)
+    prompts = [[5, 17, 3, 9, 60, 2, 44, 8], [7, 7, 100]]
+    dense = G.generate(cfg, params, prompts, 64, ffn="dense").new_token_ids
+    sparse = G.generate(cfg, params, prompts, 64, ffn="sparse").new_token_ids
+    assert sparse == dense and all(len(row) == 64 for row in dense)
+    # A decode step's FFN (B = 2 tokens: the prompts' last positions) takes a gathered
+    # branch in every layer, on the layer's real input.
+    model = nnx.merge(train.model_graphdef(cfg), params)
+    ffn_in = model.ffn_inputs(jnp.asarray([prompts[0][-3:], prompts[1]]))  # [L, 2 * 3, H]
+    ffn = params["blocks"]["ffn"]
+    for layer in range(cfg.n_layers):
+        w = {k: ffn[k][layer] for k in ("w_gate", "w_up", "w_down")}
+        _, stats = M._ffn_decode(ffn_in[layer, 2::3], w)
+        assert int(stats["dense_fallback"]) == 0, layer
 
 
 def test_sparse_prefill_runs_the_twell_kernels(monkeypatch):
