@@ -30,7 +30,8 @@ the (K+1)-th stops the run as above.
 
 Exit codes:
   0    done (--steps or --stop_at reached, or nothing left to do)
-  1    an unexpected error (traceback)
+  1    a bad flag or --set value (the message names the field), or an unexpected
+       error (traceback)
   2    refused: the workdir is locked by another run, or the checkpoint's config differs
        (the message lists the fields), or checkpoints exist with --noresume, or the
        resume would change the schedule (--steps) without --allow_schedule_change, or go

@@ -418,9 +418,7 @@ class _Trainer:
 
     def _diverged(self, step: int, metric: str, value: float) -> None:
         self.ckpt.wait()  # earlier saves complete: the last good checkpoints
-        err = DivergenceError(step, metric, value, self.ckpt.latest_step(), self.skipped)
-        logging.error("%s", err)
-        raise err
+        raise DivergenceError(step, metric, value, self.ckpt.latest_step(), self.skipped)
 
     def _eval(self) -> None:
         self._check_finite()
