@@ -26,6 +26,7 @@ is 8 x 2048, with gradient checkpointing, as in the presets).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +53,19 @@ def _train_config(
         sparsity=SparsityConfig(l1_coef=l1_coef),
         optim=OptimConfig(lr=FROZEN_LR, warmup_steps=0),
     )
+
+
+def train_step_and_state(cfg: TrainConfig, mesh, params: dict) -> tuple[Callable, train.TrainState]:
+    """The jitted train step of `cfg` and a fresh state around `params` (not donated).
+
+    With ffn_impl="sparse" every layer starts on the sparse kernels, as a run past its
+    first recheck would be (module docstring).
+    """
+    state = train.train_state_from_params(cfg, mesh, params)
+    if cfg.model.ffn_impl == "sparse":
+        on = jax.device_put(jnp.ones_like(state.use_sparse), state.use_sparse.sharding)
+        state = dataclasses.replace(state, use_sparse=on)
+    return train.make_train_step(cfg, mesh), state
 
 
 def _batch(vocab: int, batch: int, seq: int, mesh) -> dict[str, jax.Array]:
@@ -130,11 +144,7 @@ def run(
         steps, states = {}, {}
         for impl in IMPLS:
             cfg = _train_config(preset, impl, batch, seq, l1_coef, model_overrides or {})
-            state = train.train_state_from_params(cfg, mesh, params)
-            if impl == "sparse":
-                on = jax.device_put(jnp.ones_like(state.use_sparse), state.use_sparse.sharding)
-                state = dataclasses.replace(state, use_sparse=on)
-            steps[impl], states[impl] = train.make_train_step(cfg, mesh), state
+            steps[impl], states[impl] = train_step_and_state(cfg, mesh, params)
         del params
         tokens = _batch(cfg.model.vocab_size, batch, seq, mesh)
         memory = {
