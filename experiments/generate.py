@@ -18,9 +18,10 @@ its bos_token_id in front unless --noadd_bos.
 "" for none). --vocab_limit (default: the tokenizer's size when below the model's
 padded vocabulary; 0: none) keeps ids the tokenizer cannot decode from being drawn.
 --ffn picks the FFN path (`twell_jax.generate`: auto, dense, or sparse = TwELL
-prefill and the small-M decode op in the decode steps). A single prompt streams its text to stdout as tokens arrive; a batch prints
-one line per prompt at the end. --output_json writes {"prompt_ids", "new_token_ids",
-"text"} (lists over the batch, plain values for one prompt).
+prefill and the small-M decode op in the decode steps). A single prompt streams its
+text to stdout as tokens arrive; a batch prints one line per prompt at the end.
+--output_json writes {"prompt_ids", "new_token_ids", "text"} (lists over the batch,
+plain values for one prompt).
 
 Exit codes: 0 done, 2 refused (missing files, bad flags, an out-of-range id, a model
 the requested FFN path cannot run).
