@@ -9,8 +9,8 @@
    mesh, refuses a config whose train step clearly cannot fit in memory
    (`twell_jax.step_memory`), and builds the train state and the data iterator;
 3. restores the newest checkpoint of `<workdir>/checkpoints` if there is one (train
-   state, data-iterator position; a different saved config is a `ValueError`, a
-   different `optim.total_steps` a `ScheduleChangeError` unless
+   state, data-iterator position; a different saved config is a `ConfigMismatchError`,
+   a different `optim.total_steps` a `ScheduleChangeError` unless
    `opts.allow_schedule_change`). Every check runs before anything is written:
    `config.json` and `metrics.jsonl` are only (re)written once the resume is accepted;
 4. trains to `cfg.optim.total_steps` (or `opts.stop_at`), logging a progress line (with
@@ -101,13 +101,11 @@ class RunOptions:
         run continues on the new schedule from the checkpoint's step: the warmup is
         unchanged and the cosine is stretched (or shortened) to end at the new total,
         which moves the LR at the resumed step to the new curve's value there.
-      skip_nonfinite: K > 0 skips (on the device, `train.make_train_step`'s
-        skip_nonfinite) every step whose loss or gradient norm is not finite, logs and
-        counts it (`skipped_steps` in metrics.jsonl and the checkpoints, so the count
-        survives a resume), and stops with `DivergenceError` at the (K+1)-th such step.
-        A skipped step consumes its batch and advances the step counter but not the
-        optimizer's own count, so the LR schedule runs that many steps behind. 0 (the
-        default) stops at the first non-finite step.
+      skip_nonfinite: K > 0 skips (on the device) each step whose loss or gradient norm
+        is not finite, logs and counts it (`skipped_steps` in metrics.jsonl and the
+        checkpoints) and raises `DivergenceError` at the (K+1)-th. A skipped step uses
+        up its batch and the step counter but not the optimizer's count (the LR
+        schedule falls behind by one). 0: stop at the first.
     """
 
     workdir: str
