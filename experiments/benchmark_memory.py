@@ -48,22 +48,31 @@ from absl import app, flags
 
 # The parent imports no backend: on a GPU it would take memory the children measure.
 FLAGS = flags.FLAGS
-flags.DEFINE_string("preset", "2b", "`twell_jax.config.model_preset` name.")
-flags.DEFINE_integer("batch", 8, "Sequences of the micro-batch (the search starts here).")
-flags.DEFINE_integer("seq", 2048, "Tokens per sequence.")
-flags.DEFINE_list("ffn_impls", ["dense", "sparse"], "ModelConfig.ffn_impl values to measure.")
-flags.DEFINE_float("model_nnz", 29.0, "Positive gate entries per token of the synthetic weights.")
-flags.DEFINE_float("l1_coef", 2e-5, "Lambda of the L1 activation term.")
-flags.DEFINE_integer("steps", 3, "Train steps per probe (median time reported).")
-flags.DEFINE_list("set", [], "key=value ModelConfig overrides, e.g. sparse_ell_width=64.")
-flags.DEFINE_bool("search_batch", False, "Find each impl's largest micro-batch that fits.")
-flags.DEFINE_integer("max_batch", 1024, "Largest micro-batch the search tries.")
-flags.DEFINE_integer("search_step", 1, "The search stops bisecting at this many sequences.")
-flags.DEFINE_enum("allocator", "bfc", ["bfc", "platform"], "Children's allocator (child_env).")
-flags.DEFINE_float("mem_fraction", 0.95, "Device memory the bfc pool may grow to.")
-flags.DEFINE_string("out", "", "JSON output path (default: print only).")
-flags.DEFINE_bool("probe", False, "Internal: be the child, one probe of --ffn_impls.")
-flags.DEFINE_integer("calib_batch", 0, "Internal: calibration sequences (0: --batch).")
+
+
+def define_flags() -> None:
+    """The CLI's flags, registered only when the module runs as a program: other
+    entry points (pretrain, benchmark, neuron_profile) define some of the same names,
+    and tests import several of them into one process."""
+    flags.DEFINE_string("preset", "2b", "`twell_jax.config.model_preset` name.")
+    flags.DEFINE_integer("batch", 8, "Sequences of the micro-batch (the search starts here).")
+    flags.DEFINE_integer("seq", 2048, "Tokens per sequence.")
+    flags.DEFINE_list("ffn_impls", ["dense", "sparse"], "ModelConfig.ffn_impl values to measure.")
+    flags.DEFINE_float(
+        "model_nnz", 29.0, "Positive gate entries per token of the synthetic weights."
+    )
+    flags.DEFINE_float("l1_coef", 2e-5, "Lambda of the L1 activation term.")
+    flags.DEFINE_integer("steps", 3, "Train steps per probe (median time reported).")
+    flags.DEFINE_list("set", [], "key=value ModelConfig overrides, e.g. sparse_ell_width=64.")
+    flags.DEFINE_bool("search_batch", False, "Find each impl's largest micro-batch that fits.")
+    flags.DEFINE_integer("max_batch", 1024, "Largest micro-batch the search tries.")
+    flags.DEFINE_integer("search_step", 1, "The search stops bisecting at this many sequences.")
+    flags.DEFINE_enum("allocator", "bfc", ["bfc", "platform"], "Children's allocator (child_env).")
+    flags.DEFINE_float("mem_fraction", 0.95, "Device memory the bfc pool may grow to.")
+    flags.DEFINE_string("out", "", "JSON output path (default: print only).")
+    flags.DEFINE_bool("probe", False, "Internal: be the child, one probe of --ffn_impls.")
+    flags.DEFINE_integer("calib_batch", 0, "Internal: calibration sequences (0: --batch).")
+
 
 IMPLS = ("dense", "sparse")
 # The child's exit status when the step does not fit in device memory.
@@ -350,4 +359,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

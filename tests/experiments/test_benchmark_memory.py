@@ -188,3 +188,11 @@ def test_run_probe_maps_the_child_exit_status():
     platform_env = bm.child_env("platform", 0.9)
     assert platform_env["XLA_PYTHON_CLIENT_ALLOCATOR"] == "platform"
     assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in platform_env
+
+
+def test_importing_it_beside_pretrain_defines_no_clashing_flags():
+    """The flags are registered by `define_flags` only, so test processes can import
+    this module and experiments.pretrain (both have --preset, --steps, --set)."""
+    code = "import experiments.benchmark_memory, experiments.pretrain, experiments.benchmark"
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
