@@ -68,7 +68,8 @@ def crossover(l0_grid, ratios) -> float:
     return float(l0_grid[-1])
 
 
-def _median_ms(fn, args, warmup: int, reps: int) -> list[float]:
+def _call_times_ms(fn, args, warmup: int, reps: int) -> list[float]:
+    """ms of each of `reps` synchronised calls of fn(*args), after `warmup` calls."""
     for _ in range(warmup):
         jax.block_until_ready(fn(*args))
     times = []
@@ -96,8 +97,9 @@ def measure(shape: LayerShape, l0_grid=L0_GRID, reps: int = 10, warmup: int = 3)
     each time is the median of `reps` synchronised calls.
 
     Returns:
-      {"shape", "l0_grid", "patterns": {pattern: {"l0", "dense_ms", "sparse_ms",
-      "ratio"}}, "ratio_geomean", "cutoff", "cutoffs" (per pattern)}.
+      {"shape", "device", "l0_grid", "patterns": {pattern: {"l0", "dense_ms",
+      "sparse_ms", "ratio"}}, "ratio_geomean", "cutoff", "cutoffs" (per pattern),
+      "max_regret" (`max_regret` at the cutoff)}.
     """
     sparse = _step_fn(lambda x, w: model._ffn_sparse(x, w, shape.ell_width))
     dense = _step_fn(model._ffn_dense_counted)
@@ -113,8 +115,8 @@ def measure(shape: LayerShape, l0_grid=L0_GRID, reps: int = 10, warmup: int = 3)
             g = jax.random.normal(jax.random.key(i), x.shape, x.dtype)
             d_ms, s_ms = [], []
             for _ in range(2):  # dense, sparse, dense, sparse
-                d_ms += _median_ms(dense, (x, w, g), warmup, reps // 2)
-                s_ms += _median_ms(sparse, (x, w, g), warmup, reps // 2)
+                d_ms += _call_times_ms(dense, (x, w, g), warmup, reps // 2)
+                s_ms += _call_times_ms(sparse, (x, w, g), warmup, reps // 2)
             l0 = float(jnp.mean(jnp.sum(jnp.einsum("mh,nh->mn", x, wg) > 0, axis=1)))
             rec["l0"].append(l0)
             rec["dense_ms"].append(statistics.median(d_ms))
