@@ -11,9 +11,8 @@ corpus (--data_dir, as in pretraining) gives eos_token_id, and a tokenizer.json 
 copied next to the weights; a byte-level run has none to copy
 (`experiments.generate --tokenizer=byte` decodes it).
 
-The other direction (an HF checkpoint as a workdir that pretraining resumes) is not
-offered: a resumable checkpoint also needs the data iterator's state and a config that
-the pretrain flags reproduce. `experiments.generate --hf_dir` runs HF checkpoints.
+The other direction is `experiments.pretrain --init_from_hf=DIR`, which starts a run
+from an HF checkpoint's weights; `experiments.generate --hf_dir` runs HF checkpoints.
 
 Exit codes: 0 done, 2 refused (no such workdir or checkpoint, a model HF Llama cannot
 express, a non-empty output directory).

@@ -16,6 +16,18 @@ schedule: the warmup is unchanged and the cosine is stretched (or shortened) to 
 the new --steps, so the LR jumps to the new curve's value at the resumed step. A
 --steps below the checkpoint's step is always an error.
 
+Continued pretraining: --init_from_hf=DIR starts a run without checkpoints from the
+weights of an HF Llama checkpoint (DIR/config.json and safetensors) with a fresh
+optimizer at step 0 (`twell_jax.hf.init`). The architecture (vocab, widths, layers,
+heads, RoPE theta, norm eps, tied embeddings, activation) is DIR's: a flag or --set
+giving it another value is an error naming the field; the training fields (ffn_impl,
+dtypes, remat, seq_len up to max_position_embeddings, the schedule, the L1 term) are
+the flags'. The corpus must have been prepared with DIR's tokenizer.json when DIR has a
+usable one; its ids must fit the vocab in any case. Everything is checked before the
+run writes anything. A workdir with checkpoints resumes them (the log says so) without
+reading DIR; the first run records DIR in <workdir>/init_from_hf.json, so resuming
+needs neither the flag nor DIR.
+
 A run holds `<workdir>/run.lock` (host and pid) while it runs; a second run on the same
 workdir is refused naming the holder, and the lock of a dead process on this host is
 taken over with a warning.
@@ -30,8 +42,9 @@ the (K+1)-th stops the run as above.
 
 Exit codes:
   0    done (--steps or --stop_at reached, or nothing left to do)
-  1    a bad flag or --set value (the message names the field), or an unexpected
-       error (traceback)
+  1    a bad flag or --set value (the message names the field), an --init_from_hf
+       directory that is missing, unreadable or at odds with the flags or the corpus
+       (one line), or an unexpected error (traceback)
   2    refused: the workdir is locked by another run, or the checkpoint's config differs
        (the message lists the fields), or checkpoints exist with --noresume, or the
        resume would change the schedule (--steps) without --allow_schedule_change, or go
@@ -52,8 +65,12 @@ Examples:
   # elsewhere name them (on CPU also export JAX_CPU_COLLECTIVES_IMPLEMENTATION=gloo):
   python -m experiments.pretrain ... --distributed --coordinator_address=host0:23456 \
       --num_processes=2 --process_id=0
+  # continued pretraining of an HF Llama, on a corpus of its tokenizer:
+  python -m experiments.pretrain --flagfile=experiments/configs/tiny.flags \
+      --init_from_hf=hf/llama --data_dir=data/llama_tok --workdir=runs/llama_l1
 
-Outputs in --workdir: checkpoints/, metrics.jsonl, metrics.png, config.json.
+Outputs in --workdir: checkpoints/, metrics.jsonl, metrics.png, config.json (and
+init_from_hf.json with --init_from_hf).
 """
 
 from __future__ import annotations
@@ -68,6 +85,7 @@ from absl import app, flags, logging
 
 from twell_jax import checkpoint, corpus, overrides, run_guards, step_memory, trainer
 from twell_jax import config as config_lib
+from twell_jax.hf import init as hf_init
 
 _PRESET = flags.DEFINE_enum(
     "preset", "tiny", ["tiny", "125m", "0.5b", "1b", "1.5b", "2b"], "Model / schedule preset."
@@ -80,6 +98,12 @@ _DATA_DIR = flags.DEFINE_string(
     corpus.DEFAULT_DATA_DIR,
     "Prepared corpus (experiments.prepare_data). The default is prepared from the Python "
     "stdlib on first use.",
+)
+_INIT_FROM_HF = flags.DEFINE_string(
+    "init_from_hf",
+    None,
+    "HF Llama checkpoint directory (config.json + safetensors) whose weights start a run "
+    "without checkpoints; the architecture is its config.json's, the rest the flags'.",
 )
 _RESUME = flags.DEFINE_bool("resume", True, "Continue from the newest checkpoint in --workdir.")
 _STOP_AT = flags.DEFINE_integer(
@@ -171,13 +195,12 @@ _MESH_DATA = flags.DEFINE_integer("mesh_data", None, "Data-parallel mesh size (-
 _MESH_FSDP = flags.DEFINE_integer("mesh_fsdp", None, "FSDP mesh size (-1: the rest).")
 
 
-def resolve_config() -> config_lib.TrainConfig:
-    """The preset with the set flags and then `--set` overrides applied.
+def _changes(cfg: config_lib.TrainConfig) -> dict[str, Any]:
+    """Dotted key -> value of every field the set flags and `--set` give (in that order).
 
     Raises:
-      app.UsageError: an override names an unknown field or an invalid value.
+      app.UsageError: a malformed `--set`.
     """
-    cfg = config_lib.train_preset(_PRESET.value)
     changes: dict[str, Any] = {
         _FIELDS[name][0]: flag.value
         for name, flag in _FIELD_FLAGS.items()
@@ -193,6 +216,22 @@ def resolve_config() -> config_lib.TrainConfig:
         changes.update(overrides.parse_assignments(_SET.value))
     except ValueError as e:
         raise app.UsageError(f"--set={e}") from e
+    return changes
+
+
+def explicit_fields() -> set[str]:
+    """The dotted config keys a flag or `--set` gives (what a preset gives is not listed)."""
+    return set(_changes(config_lib.train_preset(_PRESET.value)))
+
+
+def resolve_config() -> config_lib.TrainConfig:
+    """The preset with the set flags and then `--set` overrides applied.
+
+    Raises:
+      app.UsageError: an override names an unknown field or an invalid value.
+    """
+    cfg = config_lib.train_preset(_PRESET.value)
+    changes = _changes(cfg)
     try:
         return overrides.with_overrides(cfg, changes)
     except ValueError as e:
@@ -234,6 +273,14 @@ def main(argv):
 
     if _DATA_DIR.value == corpus.DEFAULT_DATA_DIR:
         corpus.ensure_default_data(_DATA_DIR.value)  # zero-setup default corpus
+    try:  # the workdir's record may name the HF source without the flag
+        cfg, init_from_hf = hf_init.prepare(
+            cfg, _INIT_FROM_HF.value, explicit_fields(), workdir, _DATA_DIR.value
+        )
+    except (FileNotFoundError, ValueError) as e:
+        logging.error("init_from_hf: %s", e)
+        return 1  # a bad flag value
+    origin = f"{init_from_hf} (HF)" if init_from_hf else _PRESET.value
     sp = cfg.sparsity
     opts = trainer.RunOptions(
         workdir=workdir,
@@ -243,8 +290,9 @@ def main(argv):
         stop_at=_STOP_AT.value,
         allow_schedule_change=_ALLOW_SCHEDULE_CHANGE.value,
         skip_nonfinite=_SKIP_NONFINITE.value,
+        init_from_hf=init_from_hf,
         plot_title=(
-            f"{_PRESET.value}: {cfg.model.ffn_variant}/{cfg.model.ffn_impl}, "
+            f"{origin}: {cfg.model.ffn_variant}/{cfg.model.ffn_impl}, "
             f"L1 {sp.l1_coef:g} (warmup {sp.l1_warmup_steps})"
         ),
     )

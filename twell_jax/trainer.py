@@ -57,6 +57,7 @@ from twell_jax import (
     train,
 )
 from twell_jax.config import TrainConfig, config_to_dict
+from twell_jax.hf import init as hf_init
 from twell_jax.run_guards import (
     DivergenceError,
     ResumeRefusedError,
@@ -106,6 +107,8 @@ class RunOptions:
         checkpoints) and raises `DivergenceError` at the (K+1)-th. A skipped step uses
         up its batch and the step counter but not the optimizer's count (the LR
         schedule falls behind by one). 0: stop at the first.
+      init_from_hf: an HF Llama directory whose weights start a run without checkpoints
+        (`twell_jax.hf.init`; cfg has its architecture); a resume does not read it.
     """
 
     workdir: str
@@ -116,6 +119,7 @@ class RunOptions:
     plot_title: str = ""
     allow_schedule_change: bool = False
     skip_nonfinite: int = 0
+    init_from_hf: str | None = None
 
 
 def _global_batch(local: dict[str, np.ndarray], placement, global_rows: int) -> dict:
@@ -160,8 +164,8 @@ def _restore_or_init(cfg, mesh, ckpt, train_iter, opts) -> tuple[train.TrainStat
     """The newest checkpoint's state (and data position) if resuming, else a fresh state;
     and the run's skipped-step count so far.
 
-    Only reads (and, like `Checkpointer.restore`, moves unreadable steps aside): every
-    refusal happens here, before the run writes anything.
+    Only reads (and, like `Checkpointer.restore`, moves unreadable steps aside; a start
+    from an HF checkpoint records it): every refusal happens here, before any write.
     """
     latest = ckpt.latest_step()
     if latest is not None and not opts.resume:
@@ -169,9 +173,14 @@ def _restore_or_init(cfg, mesh, ckpt, train_iter, opts) -> tuple[train.TrainStat
             f"{ckpt.directory} holds checkpoints (latest step {latest}) but resume is off: "
             "use a fresh workdir or resume"
         )
+    hf_dir = opts.init_from_hf
+    if latest is None and hf_dir:  # logs the start itself
+        return hf_init.create_train_state(cfg, mesh, hf_dir, opts.workdir), 0
     if latest is None:
         logging.info("no checkpoint in %s: starting from scratch", ckpt.directory)
         return train.create_train_state(cfg, mesh), 0
+    if hf_dir:
+        logging.info("checkpoints in %s: resuming them, not reading %s", ckpt.directory, hf_dir)
     restored = ckpt.restore(
         train.abstract_train_state(cfg, mesh),
         config=config_to_dict(cfg),

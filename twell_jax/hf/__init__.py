@@ -6,6 +6,8 @@ A directory holds config.json (`config_map`) and safetensors weights (`weights`)
     logits, _ = nnx.merge(train.model_graphdef(cfg), params)(tokens)
     hf.save_checkpoint("out_dir", cfg, params, dtype="bfloat16")
 
+`twell_jax.hf.init` starts a pretraining run from such a directory.
+
 Needs the optional `safetensors` package (`pip install -e '.[hf]'`).
 """
 
@@ -24,6 +26,7 @@ from twell_jax.hf.weights import (
     INDEX_FILE,
     WEIGHTS_FILE,
     abstract_params,
+    check_params,
     load_checkpoint,
     load_params,
     save_checkpoint,
@@ -37,6 +40,7 @@ __all__ = [
     "INDEX_FILE",
     "WEIGHTS_FILE",
     "abstract_params",
+    "check_params",
     "config_from_hf",
     "config_to_hf",
     "eos_token_ids",

@@ -151,7 +151,10 @@ class _Reader:
         self._safe_open = _safetensors().safe_open
         self._open: dict[str, Any] = {}
         if (self.dir / INDEX_FILE).is_file():
-            self.weight_map = json.loads((self.dir / INDEX_FILE).read_text())["weight_map"]
+            try:
+                self.weight_map = json.loads((self.dir / INDEX_FILE).read_text())["weight_map"]
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"{self.dir / INDEX_FILE}: corrupt index: {e!r}") from e
         elif (self.dir / WEIGHTS_FILE).is_file():
             names = self._file(WEIGHTS_FILE).keys()
             self.weight_map = dict.fromkeys(names, WEIGHTS_FILE)
@@ -163,8 +166,17 @@ class _Reader:
             path = self.dir / name
             if not path.is_file():
                 raise FileNotFoundError(f"{path}: listed in {INDEX_FILE} but missing")
-            self._open[name] = self._safe_open(str(path), framework="np").__enter__()
+            try:
+                self._open[name] = self._safe_open(str(path), framework="np").__enter__()
+            except Exception as e:  # safetensors raises its own SafetensorError
+                raise ValueError(f"{path}: not a readable safetensors file: {e}") from e
         return self._open[name]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The shape of tensor `name`, from the file's header (no data is read)."""
+        if name not in self.weight_map:
+            raise ValueError(f"{self.dir}: no tensor {name!r}, which the config implies")
+        return tuple(self._file(self.weight_map[name]).get_slice(name).get_shape())
 
     def get(self, name: str) -> np.ndarray:
         """The tensor `name` as a numpy array in its stored dtype."""
@@ -204,6 +216,30 @@ def _hf_shape(t: _Tensor, layer: jax.ShapeDtypeStruct) -> tuple[int, ...]:
     return tuple(jax.eval_shape(t.to_hf, layer).shape)
 
 
+def _shape_error(reader: _Reader, name: str, shape: tuple[int, ...], want: tuple[int, ...]):
+    return ValueError(
+        f"{reader.dir}: tensor {name!r} has shape {list(shape)}; config.json implies {list(want)}"
+    )
+
+
+def check_params(hf_dir: str | os.PathLike, cfg: ModelConfig) -> None:
+    """Checks `hf_dir`'s safetensors against `cfg` from their headers alone: every tensor
+    of `Transformer(cfg)` present in its shape, none left over, every file readable.
+
+    Raises:
+      FileNotFoundError: no weights in `hf_dir`, or a file its index lists is missing.
+      ValueError: a corrupt file or index, a tensor missing, misshapen or left over.
+    """
+    abstract = abstract_params(cfg)
+    with _Reader(hf_dir) as reader:
+        _check_names(set(reader.weight_map), cfg)
+        for t in _tensor_map(cfg):
+            want = _hf_shape(t, _layer_struct(t, _get(abstract, t.path)))
+            for name in _names(t, cfg):
+                if (shape := reader.shape(name)) != want:
+                    raise _shape_error(reader, name, shape, want)
+
+
 def load_params(
     hf_dir: str | os.PathLike, cfg: ModelConfig, mesh: jax.sharding.Mesh | None = None
 ) -> Params:
@@ -229,10 +265,7 @@ def load_params(
             for i, name in enumerate(_names(t, cfg)):
                 w = reader.get(name)
                 if tuple(w.shape) != _hf_shape(t, layer):
-                    raise ValueError(
-                        f"{reader.dir}: tensor {name!r} has shape {list(w.shape)}; config.json "
-                        f"implies {list(_hf_shape(t, layer))}"
-                    )
+                    raise _shape_error(reader, name, tuple(w.shape), _hf_shape(t, layer))
                 converted = t.to_ours(w).astype(want.dtype)
                 if t.stacked:
                     host[i] = converted
