@@ -19,7 +19,9 @@ switch: where the per-layer switch puts its cutoff for each --model_presets laye
 at M=--train_tokens (`twell_jax.switch_cost.measure`: both branches on every pattern
 over an l0 grid) and how far from the faster branch it runs at worst.
 decode: decode-size MLPs (M in --decode_tokens), dense XLA against sparse_decode_mlp and
-twell_gated_mlp, interleaved (experiments/benchmark_decode.py).
+twell_gated_mlp, interleaved (experiments/benchmark_decode.py); --decode_config repeats.
+generate: end-to-end generation of --model_presets (prefill + KV-cache decode), dense
+against sparse FFNs (experiments/benchmark_generate.py).
 """
 
 from __future__ import annotations
@@ -52,7 +54,17 @@ FLAGS = flags.FLAGS
 flags.DEFINE_enum(
     "mode",
     "kernel",
-    ["kernel", "tune", "train", "train_tune", "model", "train_model", "switch", "decode"],
+    [
+        "kernel",
+        "tune",
+        "train",
+        "train_tune",
+        "model",
+        "train_model",
+        "switch",
+        "decode",
+        "generate",
+    ],
     "What to measure.",
 )
 flags.DEFINE_list("model_presets", ["1.5b", "2b"], "Presets of --mode=model.")
@@ -92,6 +104,15 @@ flags.DEFINE_integer("d_ff", 5632, "N.")
 flags.DEFINE_integer("compression", 8, "TwELL compression C.")
 flags.DEFINE_list("decode_tokens", ["1", "8", "64", "512"], "Token counts M of --mode=decode.")
 flags.DEFINE_float("decode_nnz", 29.0, "Positive gate entries per token of --mode=decode.")
+flags.DEFINE_list("generate_batch", ["1", "8", "64"], "Prompts per batch of --mode=generate.")
+flags.DEFINE_integer("generate_prompt", 512, "Prompt tokens of --mode=generate.")
+flags.DEFINE_integer("generate_new", 256, "New tokens per prompt of --mode=generate.")
+flags.DEFINE_multi_string(
+    "decode_config",
+    [""],
+    "DecodeConfig overrides of --mode=decode, key=value[,key=value...]; repeat the flag to"
+    " time several launches (each against dense).",
+)
 flags.DEFINE_multi_string(
     "tune_d2t_cfg",
     ["128,64,128,8,3", "128,64,64,8,3", "128,64,128,8,4", "64,64,128,8,3"],
@@ -430,17 +451,33 @@ def main(argv):
             )
     elif FLAGS.mode == "decode":
         from experiments import benchmark_decode
+        from pallas_kernels.decode import DecodeConfig
 
-        result["cases"] = benchmark_decode.run(
-            [int(m) for m in FLAGS.decode_tokens],
-            h,
-            n,
-            FLAGS.decode_nnz,
-            FLAGS.reps,
-            FLAGS.pattern,
-            sigma=FLAGS.pattern_sigma,
-            compression=c,
-            warmup=FLAGS.warmup,
+        result["cases"] = []
+        for spec in FLAGS.decode_config:
+            pairs = dict(kv.split("=", 1) for kv in spec.split(",") if kv)
+            result["cases"] += benchmark_decode.run(
+                [int(m) for m in FLAGS.decode_tokens],
+                h,
+                n,
+                FLAGS.decode_nnz,
+                FLAGS.reps,
+                FLAGS.pattern,
+                sigma=FLAGS.pattern_sigma,
+                compression=c,
+                config=with_overrides(DecodeConfig(), pairs),
+                warmup=FLAGS.warmup,
+            )
+    elif FLAGS.mode == "generate":
+        from experiments import benchmark_generate
+
+        result["cases"] = benchmark_generate.run(
+            FLAGS.model_presets,
+            [int(b) for b in FLAGS.generate_batch],
+            nnz=FLAGS.model_nnz,
+            prompt_len=FLAGS.generate_prompt,
+            new_tokens=FLAGS.generate_new,
+            reps=FLAGS.reps,
         )
     elif FLAGS.mode == "train_tune":
         result["tune"] = benchmark_train.tune(M=FLAGS.train_tokens, H=h, N=n)

@@ -16,6 +16,7 @@ over `layers`); `*_tokens_per_s` is M over that time, one MLP layer's throughput
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 
@@ -24,14 +25,18 @@ import jax.numpy as jnp
 
 from experiments import bench_util as bu
 from pallas_kernels import reference
-from pallas_kernels.decode import DEFAULT_CAPACITIES, sparse_decode_mlp
+from pallas_kernels.decode import DecodeConfig, sparse_decode_mlp
 from pallas_kernels.twell import twell_gated_mlp, twell_supported
 from twell_jax.synthetic import synthetic_mlp
 
 
 def _layer_stack(op, layers: int):
-    """jit of x, [L, N, H] weights -> `op`'s outputs stacked over L: `op` once per
-    layer's weights, unrolled (one dispatch per call, as in a model's step)."""
+    """jit of x, L-tuples of [N, H] weights -> `op`'s outputs stacked over L: `op` once
+    per layer's weights, unrolled (one dispatch per call, as in a model's step).
+
+    Each weight is its own argument buffer, as in a serving step's unrolled layers: a
+    slice of a stacked [L, N, H] array would be copied out for the Pallas kernels
+    (a custom call needs its operands whole) and not for XLA's GEMMs."""
 
     def stack(x, wg, wu, wd):
         outs = [op(x, wg[i], wu[i], wd[i]) for i in range(layers)]
@@ -41,12 +46,12 @@ def _layer_stack(op, layers: int):
 
 
 def _inputs(m: int, h: int, n: int, nnz: float, pattern: str, sigma: float, layers: int):
-    """x [M, H] (layer 0's) and the weights of `layers` synthetic MLPs, each [L, N, H]."""
+    """x [M, H] (layer 0's) and the weights of `layers` synthetic MLPs, L-tuples of [N, H]."""
     mlps = [
         synthetic_mlp(m, h, n, nnz, seed=seed, pattern=pattern, sigma=sigma)
         for seed in range(layers)
     ]
-    return mlps[0][0], *(jnp.stack([mlp[i] for mlp in mlps]) for i in (1, 2, 3))
+    return mlps[0][0], *(tuple(mlp[i] for mlp in mlps) for i in (1, 2, 3))
 
 
 def case(
@@ -60,23 +65,24 @@ def case(
     sigma: float = 1.0,
     layers: int = 8,
     compression: int = 8,
-    capacities: Sequence[int] = DEFAULT_CAPACITIES,
+    config: DecodeConfig = DecodeConfig(),
+    max_tokens: int = 64,
     warmup: int = 3,
     inner: int = 3,
 ) -> dict:
     """One M: ms, tokens/s and ratios of each path, the decode op's stats, the errors."""
     x, wg, wu, wd = _inputs(m, h, n, nnz, pattern, sigma, layers)
-    caps = tuple(capacities)
+    opts = {"config": config, "max_tokens": max_tokens}
     fns = {
         "dense": _layer_stack(reference.gated_mlp, layers),
-        "sparse": _layer_stack(lambda *a: sparse_decode_mlp(*a, capacities=caps), layers),
+        "sparse": _layer_stack(lambda *a: sparse_decode_mlp(*a, **opts), layers),
     }
     twell_reason = twell_supported(h, n, compression)
     if twell_reason is None:
         fns["twell"] = _layer_stack(lambda *a: twell_gated_mlp(*a, compression=compression), layers)
-    stats = _layer_stack(
-        lambda *a: sparse_decode_mlp(*a, capacities=caps, return_stats=True)[1], layers
-    )(x, wg, wu, wd)
+    stats = _layer_stack(lambda *a: sparse_decode_mlp(*a, **opts, return_stats=True)[1], layers)(
+        x, wg, wu, wd
+    )
     outs = {name: fn(x, wg, wu, wd) for name, fn in fns.items()}
     timing = bu.time_interleaved(fns, x, wg, wu, wd, warmup=warmup, reps=reps, inner=inner)
 
@@ -84,8 +90,7 @@ def case(
     active = [int(k) for k in stats.active_neurons]
     bytes_per_layer = {
         "dense": 3 * n * h * itemsize,
-        # W_gate, then each active row of W_up and W_down once (an unfused gather
-        # also writes and re-reads its rows: docs/design.md §4.5).
+        # W_gate, then each active row of W_up and W_down once.
         "sparse": (n + 2 * sum(active) / layers) * h * itemsize,
     }
     rec = {
@@ -97,12 +102,12 @@ def case(
         "target_nnz": nnz,
         "layers": layers,
         "compression": compression,
-        "capacities": list(caps),
+        "decode_config": dataclasses.asdict(config),
+        "max_tokens": max_tokens,
         "reps": reps,
         "inner": inner,
         "l0_per_layer": [float(v) for v in stats.l0],
         "active_neurons_per_layer": active,
-        "capacity_per_layer": [int(c) for c in stats.capacity],
         "dense_fallback_layers": int(jnp.sum(stats.dense_fallback)),
         "twell_unsupported": twell_reason,
     }
@@ -140,7 +145,8 @@ def run(
       nnz: target positive gate entries per token.
       reps: timed rounds.
       pattern: "uniform", "skew" or "heavy_rows" (`twell_jax.synthetic.gate_pattern`).
-      kwargs: `case`'s keywords (sigma, layers, compression, capacities, warmup, inner).
+      kwargs: `case`'s keywords (sigma, layers, compression, config, max_tokens,
+        warmup, inner).
     """
     records = []
     for m in M_list:

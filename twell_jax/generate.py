@@ -12,7 +12,9 @@ that hides its padding, so a row generates the same tokens alone or in any batch
 (up to float rounding). One jitted prefill runs the prompts through the model, writing
 cache slots 0..P-1, and samples the first token; each jitted decode step feeds the
 last token at slot P + t. The cache is [L, B, P + max_new_tokens, n_kv_heads,
-head_dim] in the compute dtype, updated in place (the step donates its state).
+head_dim] in the compute dtype, updated in place (the step donates its state). The
+layers run unrolled over per-layer weight buffers (`serving_params`), so that no step
+copies a layer's weights out of the stacked training layout.
 
 Without a streaming callback the decode steps run in one `lax.while_loop` that stops
 when every row has produced a stop token; with one, a Python loop calls the jitted
@@ -147,18 +149,39 @@ class DecodeState:
     key: jax.Array
 
 
-def _run_layers(model, x, cos, sin, cache_k, cache_v, slot, mask):
+def serving_params(params: Params) -> Params:
+    """params with the stacked [L, ...] block parameters split into a tuple of L
+    per-layer trees (new device buffers; already split params are returned as they are).
+
+    The generation steps run their layers unrolled over these: a layer's weights then
+    are whole buffers that the FFN kernels read in place, where a slice of the stacked
+    arrays would be copied out for them in every layer of every step.
+    """
+    blocks = params["blocks"]
+    if isinstance(blocks, tuple):
+        return params
+    n = jax.tree.leaves(blocks)[0].shape[0]
+    layers = tuple(jax.tree.map(lambda a, i=i: a[i], blocks) for i in range(n))
+    return {**params, "blocks": layers}
+
+
+def _merge(graphdef: nnx.GraphDef, params: Params):
+    """The model from serving params. Its stacked blocks are a stub built from the
+    per-layer trees that nothing reads (XLA drops it): `_run_layers` uses the layers."""
+    stub = jax.tree.map(lambda *a: jnp.stack(a), *params["blocks"])
+    return nnx.merge(graphdef, {**params, "blocks": stub})
+
+
+def _run_layers(model, layers, x, cos, sin, cache_k, cache_v, slot, mask):
     """The blocks over x [B, S, H] with the KV cache: new keys / values go to slots
     slot..slot+S-1, queries attend to the slots `mask` [B, 1, S, T] allows.
 
+    layers: the per-layer parameter trees of `serving_params`, run unrolled.
     Returns (final-norm hidden states [B, S, H], cache_k, cache_v).
     """
-    graphdef, layers = nnx.split(model.blocks)
+    graphdef = nnx.split(model.blocks)[0]
     off = jnp.zeros((), bool)
-
-    def layer(carry, xs):
-        x, cache_k, cache_v = carry
-        block_state, i = xs
+    for i, block_state in enumerate(layers):
         block = nnx.merge(graphdef, block_state)
         q, k, v = block.attn.qkv(block.attn_norm(x), cos, sin)
         at = (i, 0, slot, 0, 0)
@@ -169,11 +192,7 @@ def _run_layers(model, x, cos, sin, cache_k, cache_v, slot, mask):
         x = x + block.attn.output(o)
         b, s, h = x.shape
         out, _ = block.ffn(block.ffn_norm(x).reshape(b * s, h), off)
-        return (x + out.reshape(x.shape), cache_k, cache_v), None
-
-    n = model.cfg.n_layers
-    carry = (x, cache_k, cache_v)
-    (x, cache_k, cache_v), _ = jax.lax.scan(layer, carry, (layers, jnp.arange(n)))
+        x = x + out.reshape(x.shape)
     return model.final_norm(x), cache_k, cache_v
 
 
@@ -215,7 +234,7 @@ def _compiled(prefill_cfg: ModelConfig, decode_cfg: ModelConfig, sampling: Sampl
     cfg = decode_cfg
 
     def prefill(params, tokens, pad, max_new, key, stop):
-        model = nnx.merge(prefill_def, params)
+        model = _merge(prefill_def, params)
         b, p = tokens.shape
         cols = jnp.arange(p)
         cos, sin = rope_angles(jnp.maximum(cols - pad[:, None], 0), cfg.head_dim, cfg.rope_theta)
@@ -223,7 +242,7 @@ def _compiled(prefill_cfg: ModelConfig, decode_cfg: ModelConfig, sampling: Sampl
         shape = (cfg.n_layers, b, p + max_new, cfg.kv_heads, cfg.head_dim)
         cache = jnp.zeros(shape, cfg.compute_dtype)
         x, cache_k, cache_v = _run_layers(
-            model, _embed(model, tokens), cos, sin, cache, cache, 0, mask
+            model, params["blocks"], _embed(model, tokens), cos, sin, cache, cache, 0, mask
         )
         key, sub = jax.random.split(key)
         first = sample(_logits(model, x[:, -1]), sub, sampling)
@@ -240,7 +259,7 @@ def _compiled(prefill_cfg: ModelConfig, decode_cfg: ModelConfig, sampling: Sampl
         return _record(state, first, stop)
 
     def step(params, state, stop):
-        model = nnx.merge(decode_def, params)
+        model = _merge(decode_def, params)
         t = state.cache_k.shape[2]
         slot = t - state.tokens.shape[1] + state.step - 1  # P + step - 1: `last`'s slot
         pos = (slot - state.pad)[:, None]  # [B, 1]
@@ -248,6 +267,7 @@ def _compiled(prefill_cfg: ModelConfig, decode_cfg: ModelConfig, sampling: Sampl
         mask = _attention_mask(slot[None], state.pad, t)
         x, cache_k, cache_v = _run_layers(
             model,
+            params["blocks"],
             _embed(model, state.last[:, None]),
             cos,
             sin,
@@ -272,6 +292,19 @@ def _compiled(prefill_cfg: ModelConfig, decode_cfg: ModelConfig, sampling: Sampl
         jax.jit(step, donate_argnums=1),
         jax.jit(loop, donate_argnums=1),
     )
+
+
+def generation_fns(
+    cfg: ModelConfig, ffn: str = "auto", sampling: SamplingConfig = SamplingConfig()
+):
+    """The jitted (prefill, step, loop) that `generate` runs, for timing them apart.
+
+    Their params are `serving_params(params)`.
+    prefill(params, tokens [B, P], pad [B], max_new (static), key, stop) -> DecodeState
+    with the first new token; loop(params, state, stop) runs the remaining decode steps
+    (donating state); step(params, state, stop) is one of them.
+    """
+    return _compiled(*inference_configs(cfg, ffn), sampling)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -357,7 +390,8 @@ def generate(
     """
     prompts = [[int(t) for t in row] for row in prompts]
     _check_prompts(cfg, prompts, max_new_tokens)
-    prefill, step, loop = _compiled(*inference_configs(cfg, ffn), sampling)
+    prefill, step, loop = generation_fns(cfg, ffn, sampling)
+    params = serving_params(params)
     tokens, pad = _left_pad(prompts)
     stop = jnp.asarray(list(stop_tokens), jnp.int32)
     key = jax.random.key(seed)

@@ -241,8 +241,8 @@ def _ffn_sparse(x: jax.Array, w: dict[str, jax.Array], ell_width: int) -> tuple[
 def _ffn_decode(x: jax.Array, w: dict[str, jax.Array]) -> tuple[jax.Array, Stats]:
     """The small-M decode path (gated ReLU). x [M, H] bf16 or fp32 -> [M, H] x.dtype.
 
-    Stats: `l0` fp32 (positive gate entries per token) and `dense_fallback` int32 (1 when
-    the batch's active neurons outgrew the largest gather capacity).
+    Stats: `l0` fp32 (non-zero gate entries per token) and `dense_fallback` int32 (1 when
+    M is above the op's max_tokens and the dense formula ran).
     """
     out, stats = pallas_kernels.sparse_decode_mlp(
         x, w["w_gate"], w["w_up"], w["w_down"], return_stats=True

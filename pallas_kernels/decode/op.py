@@ -4,82 +4,72 @@
 
 For small M (1-64 tokens per call) the TwELL ops (§4.1-§4.4) parallelise over token
 rows and have almost nothing to spread; a dense decode step is bound by reading the
-three [N, H] weights. This op (docs/design.md §4.5) reads all of W_gate and only the
-rows of W_up and W_down of neurons that fire for some token of the call:
+three [N, H] weights (bf16, H = 2048, N = 5632: 69.2 MB). This op (docs/design.md
+§4.5) reads all of W_gate (23.1 MB) and only the rows of W_up and W_down of neurons
+that fire for some token of the call, deduplicated across the batch:
 
-1. g = relu(x Wg^T) (XLA GEMV/GEMM, fp32 accumulation, x.dtype out) and the active
-   set, any(g > 0) over the batch: K neurons, deduplicated across the rows.
-2. The smallest static capacity C >= K is picked on the device (`lax.switch`, no host
-   round trip); the ids of the active neurons, padded with N to C, gather g[:, ids],
-   Wu[ids] and Wd[ids] ([C, H]; padding gathers zeros), and
-   out = (g[:, ids] * (x Wu[ids]^T)) Wd[ids], with h rounded to x.dtype.
-3. K above the largest capacity runs the dense formula from the same g (a branch of
-   the same switch); so does a non-finite x or a NaN gate entry, which then propagate
-   as in the dense MLP. `DecodeStats.dense_fallback` says when.
+1. `kernels.gate_up`, one program per block of neurons: g = relu(x Wg^T) for the
+   block, its per-neuron count of firing tokens, h = g * (x Wu^T) from masked loads
+   of W_up that fetch only the rows of firing neurons, and the block's list of them.
+2. `kernels.down`, one program per H block: out = h[:, ids] Wd[ids] over the K
+   active neurons only, their ids read through the block lists.
 
-No Pallas kernel, by the bytes moved (bf16, H = 2048, N = 5632): each weight is
-23.1 MB, a dense step reads 69.2 MB. XLA's gather writes the [C, H] rows it reads and
-the GEMM reads them again, 3 x 4 KB per slot and matrix, 24.6 KB per slot for W_up and
-W_down together: 1.6 MB at C = 64 (M = 1, ~29 active), 25.2 MB at C = 1024, so a
-step moves 24.6-48.2 MB against 69.2. A fused gather-dot kernel would read each row
-once (8 KB per slot): at C = 64 that saves 1 MB of 24.6 (4%; the gate GEMV is 94% of
-the bytes), at C = 1024 a third. The unfused gathers break even with dense near
-C = 1880, which is why the largest default capacity is 1024; a fused kernel earns its
-place only if GPU timing shows the large-C end matters.
+No capacity and no branch: nothing is sized by K, so nothing overflows and the host
+never waits on a device value (a `lax.switch` on K made XLA copy the branch index to
+the host in every layer, docs/performance_notes.md, "Decode"). Above `max_tokens`
+rows (static) the union of active neurons nears N and the op runs the dense formula
+(`DecodeStats.dense_fallback`).
+
+Backends (`impl`): "pallas" (the kernels, bf16 only), "interpret" (the same kernels in
+the Pallas interpreter, for CPU tests), "xla" (the same steps in jnp, with a gather of
+all N ids: exact but not fast; fp32 and CPU models) and "auto" (pallas on a GPU for
+bf16 and supported shapes, xla otherwise).
 
 Results match `pallas_kernels.reference.gated_mlp` bit for bit where the GEMMs' fp32
-sums are exact, and within bf16 rounding otherwise (the up and down GEMMs sum over C
-neurons instead of N, in another order). Non-finite values in rows of W_up / W_down
-of inactive neurons are never read, so unlike the dense MLP they do not reach out.
+sums are exact, and within bf16 rounding otherwise (the down GEMM sums over K neurons
+instead of N, in another order). A row of x that is not finite gives a NaN row, as
+the dense MLP does; a NaN gate entry is read and propagates. Non-finite values in rows
+of W_up / W_down of neurons no token fires are never read, so unlike the dense MLP
+they do not reach out.
 
-Inference only: jax.grad does run through the XLA ops (the gathers transpose to
-scatter-adds into [N, H] zeros, no cheaper than the dense backward), but that is not
-what the op is for and is not tested; training has its own op (§5-§6).
+Inference only: no custom_vjp, and the kernels have no transpose; training has its
+own op (§5-§6).
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
-from pallas_kernels.decode import reference
+from pallas_kernels import _triton as tr
+from pallas_kernels.decode import kernels, reference
+from pallas_kernels.decode.kernels import DecodeConfig
 
-DEFAULT_CAPACITIES = (64, 128, 256, 512, 1024)
 DTYPES = (jnp.bfloat16, jnp.float32)
+IMPLS = ("auto", "pallas", "interpret", "xla")
+# Tokens per call above which the dense formula runs: at l0 ~ 29 and N = 5632, 64
+# tokens already fire ~28% of the neurons (docs/results.md, "Decode").
+DEFAULT_MAX_TOKENS = 64
 
 
 class DecodeStats(NamedTuple):
     """What one call saw: all scalars.
 
-    active_neurons: int32 K, neurons positive for at least one token of the call.
-    capacity: int32 capacity C of the gathered branch that ran, -1 for the dense one.
-    dense_fallback: int32 1 when the dense formula ran (K above the largest capacity,
-      a non-finite x or a NaN gate entry), else 0.
-    l0: fp32 mean number of positive gate entries per token.
+    active_neurons: int32 K, neurons with a non-zero gate for at least one token.
+    dense_fallback: int32 1 when the dense formula ran (M above max_tokens), else 0.
+    l0: fp32 mean number of non-zero gate entries per token.
     """
 
     active_neurons: jax.Array
-    capacity: jax.Array
     dense_fallback: jax.Array
     l0: jax.Array
 
 
-def resolve_capacities(capacities: Sequence[int], n: int) -> tuple[int, ...]:
-    """The sorted distinct capacities below N (a gather of N rows reads what the dense
-    branch reads, and more).
-
-    Raises:
-      ValueError: an empty sequence, or a capacity that is not a positive int.
-    """
-    caps = tuple(capacities)
-    if not caps or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in caps):
-        raise ValueError(f"capacities must be a non-empty sequence of positive ints, got {caps}")
-    return tuple(sorted({c for c in caps if c < n}))
+def decode_supported(h: int, n: int, config: DecodeConfig = DecodeConfig()) -> str | None:
+    """Why the decode kernels cannot run d_model H and d_ff N with `config`, or None."""
+    return config.unsupported(h, n)
 
 
 def _check_inputs(x: jax.Array, weights: tuple[jax.Array, ...]) -> None:
@@ -102,21 +92,38 @@ def _check_inputs(x: jax.Array, weights: tuple[jax.Array, ...]) -> None:
             raise ValueError(f"{name} must have x's dtype {x.dtype}, got {w.dtype}")
 
 
-def _gathered_branch(cap: int, x, g, ids, w_up, w_down):
-    """The gathered MLP on the first `cap` ids (the rest are padding when K <= cap)."""
-    with jax.named_scope(f"decode_gathered_{cap}"):
-        return reference.gathered_mlp(x, g, ids[:cap], w_up, w_down)
+def _resolve_impl(impl: str, x: jax.Array, h: int, n: int, config: DecodeConfig) -> str:
+    """The backend that runs; raises for an explicit kernel backend that cannot."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r}: must be one of {IMPLS}")
+    reason = decode_supported(h, n, config)
+    if impl == "auto":
+        fits = tr.on_gpu() and x.dtype == jnp.bfloat16 and reason is None
+        return "pallas" if fits else "xla"
+    if impl in ("pallas", "interpret"):
+        if x.dtype != jnp.bfloat16:
+            raise ValueError(f"impl={impl!r} runs bf16 only, got x of dtype {x.dtype}")
+        if reason is not None:
+            raise ValueError(reason)
+    return impl
 
 
-def _dense_branch(x, g, ids, w_up, w_down):
-    del ids
-    with jax.named_scope("decode_dense_fallback"):
-        return reference.dense_mlp(x, g, w_up, w_down)
+def _kernel_mlp(x2, w_gate, w_up, w_down, config: DecodeConfig, interpret: bool):
+    """(out [M, H], counts int32 [N], K int32 [1]) through the two kernels."""
+    with jax.named_scope("decode_gate_up"):
+        up = kernels.gate_up(x2, w_gate, w_up, config, interpret=interpret)
+    with jax.named_scope("decode_down"):
+        out = kernels.down(x2.shape[0], up, w_down, config, interpret=interpret)
+    return out, up.counts, jnp.sum(up.block_counts, keepdims=True)
 
 
-def _empty_stats() -> DecodeStats:
-    zero = jnp.zeros((), jnp.int32)
-    return DecodeStats(zero, zero, zero, jnp.zeros((), jnp.float32))
+def _xla_mlp(x2, w_gate, w_up, w_down):
+    """The same steps in jnp (module docstring)."""
+    g = reference.gate(x2, w_gate)
+    counts = reference.neuron_counts(g)
+    ids, k = reference.compact(counts)
+    out = reference.gathered_mlp(x2, g, ids, w_up, w_down)
+    return reference.nan_rows(x2, out), counts, k
 
 
 def sparse_decode_mlp(
@@ -125,19 +132,22 @@ def sparse_decode_mlp(
     w_up: jax.Array,
     w_down: jax.Array,
     *,
-    capacities: Sequence[int] = DEFAULT_CAPACITIES,
+    impl: str = "auto",
+    config: DecodeConfig = DecodeConfig(),
+    max_tokens: int = DEFAULT_MAX_TOKENS,
     return_stats: bool = False,
 ):
     """The gated MLP (relu(x Wg^T) * (x Wu^T)) Wd for a few tokens (module docstring).
 
     Args:
-      x: [..., H] bf16 or fp32 tokens; leading axes are flattened to M (meant for
-        M = 1-64: the active set is the union over all M rows).
+      x: [..., H] bf16 or fp32 tokens; leading axes are flattened to M (the active set
+        is the union over all M rows).
       w_gate: [N, H] (gate_proj.weight), x's dtype.
       w_up: [N, H] (up_proj.weight), x's dtype.
       w_down: [N, H] (down_proj.weight transposed), x's dtype.
-      capacities: static gathered-branch sizes; those >= N are dropped (the dense
-        branch reads no more than they would). K above the largest left runs dense.
+      impl: "auto", "pallas", "interpret" or "xla" (module docstring).
+      config: the kernels' launches (`DecodeConfig`).
+      max_tokens: M above this runs the dense formula (at most kernels.MAX_TOKENS).
       return_stats: also return a DecodeStats.
 
     Returns:
@@ -146,37 +156,37 @@ def sparse_decode_mlp(
 
     Raises:
       ValueError: x not bf16 / fp32 or a scalar, a weight that is not an [N, H]
-        matrix with H = x.shape[-1] and x's dtype, or capacities that are not a
-        non-empty sequence of positive ints.
+        matrix with H = x.shape[-1] and x's dtype, an unknown impl, a kernel impl
+        asked for fp32 or for a shape `config` cannot run, or max_tokens outside
+        [1, kernels.MAX_TOKENS].
     """
     weights = (w_gate, w_up, w_down)
     _check_inputs(x, weights)
+    if not 1 <= max_tokens <= kernels.MAX_TOKENS:
+        raise ValueError(f"max_tokens={max_tokens}: must be in [1, {kernels.MAX_TOKENS}]")
     lead, h, n = x.shape[:-1], x.shape[-1], w_gate.shape[0]
-    caps = resolve_capacities(capacities, n)
+    impl = _resolve_impl(impl, x, h, n, config)
     x2 = x.reshape(-1, h)
     m = x2.shape[0]
+    zero = jnp.zeros((), jnp.int32)
     if m == 0:
         out = jnp.zeros(x.shape, x.dtype)
-        return (out, _empty_stats()) if return_stats else out
-    with jax.named_scope("decode_gate_gemv"):
-        g = reference.gate(x2, w_gate)
-    with jax.named_scope("decode_active_ids"):
-        # One id list of the largest capacity: its first C entries are the list of
-        # size C whenever K <= C (ids ascend, padding last).
-        ids, k = reference.active_ids(g, max(caps, default=1))
-        nonfinite = ~jnp.isfinite(x2).all() | jnp.isnan(g).any()
-        bucket = jnp.sum(k > jnp.asarray(caps, jnp.int32), dtype=jnp.int32)
-        bucket = jnp.where(nonfinite, len(caps), bucket)
-    branches = [functools.partial(_gathered_branch, cap) for cap in caps] + [_dense_branch]
-    out = lax.switch(bucket, branches, x2, g, ids, w_up, w_down)
+        return (out, DecodeStats(zero, zero, jnp.zeros((), jnp.float32))) if return_stats else out
+    if m > max_tokens:
+        with jax.named_scope("decode_dense"):
+            g = reference.gate(x2, w_gate)
+            out = reference.dense_mlp(x2, g, w_up, w_down)
+            counts = reference.neuron_counts(g)
+            k = jnp.sum(counts > 0, dtype=jnp.int32)
+        fallback = jnp.ones((), jnp.int32)
+    else:
+        if impl == "xla":
+            out, counts, k = _xla_mlp(x2, *weights)
+        else:
+            out, counts, k = _kernel_mlp(x2, *weights, config, impl == "interpret")
+        k, fallback = k[0], zero
     out = out.reshape(*lead, h)
     if not return_stats:
         return out
-    fallback = bucket == len(caps)
-    stats = DecodeStats(
-        active_neurons=k,
-        capacity=jnp.asarray((*caps, -1), jnp.int32)[bucket],
-        dense_fallback=fallback.astype(jnp.int32),
-        l0=jnp.sum(g > 0, dtype=jnp.float32) / m,
-    )
-    return out, stats
+    l0 = jnp.sum(counts, dtype=jnp.float32) / m
+    return out, DecodeStats(active_neurons=k, dense_fallback=fallback, l0=l0)

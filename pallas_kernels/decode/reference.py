@@ -1,5 +1,6 @@
-"""XLA forms of the decode op's pieces (docs/design.md §4.5): the gate, the active
-neuron ids, a gathered branch of static capacity C and the dense branch.
+"""XLA forms of the decode op's pieces (docs/design.md §4.5): the gate, the per-neuron
+counts and their compaction into the active ids, the MLP over those ids and the dense
+MLP.
 
 Shapes: x [M, H]; every weight [N, H] (w_down is down_proj transposed); the gate
 g = relu(x Wg^T) [M, N]. Products round as `pallas_kernels.reference` does (the dense
@@ -20,20 +21,31 @@ def gate(x: jax.Array, w_gate: jax.Array) -> jax.Array:
     return reference.hidden(x, w_gate)
 
 
-def active_ids(g: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
-    """The neurons positive for at least one row, deduplicated over the batch.
+def neuron_counts(g: jax.Array) -> jax.Array:
+    """int32 [N]: rows with a non-zero gate per neuron (a NaN gate counts: it is read
+    and propagates as in the dense MLP)."""
+    return jnp.sum(g != 0, axis=0, dtype=jnp.int32)
+
+
+def compact(counts: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The active neurons (count > 0), deduplicated over the batch by construction.
 
     Args:
-      g: [M, N] gate.
-      size: static length of the id list.
+      counts: int32 [N] from `neuron_counts` (or the gate_up kernel).
 
     Returns:
-      (ids int32 [size]: the active neurons in increasing order, then N as padding;
-      truncated when more than `size` are active, K int32: how many are active).
+      (ids int32 [N]: the active neurons in increasing order, then N as padding;
+      K int32 [1]: how many are active).
     """
-    active = jnp.any(g > 0, axis=0)
-    (ids,) = jnp.nonzero(active, size=size, fill_value=g.shape[1])
-    return ids.astype(jnp.int32), jnp.sum(active, dtype=jnp.int32)
+    active = counts > 0
+    (ids,) = jnp.nonzero(active, size=counts.shape[0], fill_value=counts.shape[0])
+    return ids.astype(jnp.int32), jnp.sum(active, dtype=jnp.int32, keepdims=True)
+
+
+def nan_rows(x: jax.Array, out: jax.Array) -> jax.Array:
+    """out with NaN in the rows where x is not finite: what the dense MLP gives there
+    (an inf in x makes some h entries inf * 0 = NaN), however few neurons fire."""
+    return jnp.where(jnp.isfinite(x).all(axis=-1, keepdims=True), out, jnp.nan).astype(out.dtype)
 
 
 def _rows(a: jax.Array, ids: jax.Array) -> jax.Array:
@@ -48,7 +60,7 @@ def gathered_mlp(
 
     ids int32 [C]; a padding id (N) gathers a zero gate column and zero weight rows,
     so its h column is 0 and adds nothing. Equals the dense MLP when `ids` holds every
-    neuron that is positive for some row.
+    neuron with a non-zero gate for some row (and x is finite).
     """
     g_sel = g.at[:, ids].get(mode="fill", fill_value=0)  # [M, C]
     up = jnp.einsum("mh,ch->mc", x, _rows(w_up, ids))

@@ -1,11 +1,13 @@
-"""sparse_decode_mlp against the dense reference: capacities, fallback, dedup, stats, errors.
+"""sparse_decode_mlp against the dense reference: kernels, dedup, stats, fallback, errors.
 
-Tolerances: integer-valued inputs make every fp32 sum exact, so there the op must equal
-`pallas_kernels.reference.gated_mlp` bit for bit (same gate GEMM, same rounding points,
-the up and down GEMMs only summing fewer exact terms). Normal-valued bf16 inputs use the
-project's bf16 rule (`assert_bf16_close`: the error against the fp32 truth at most 1.5x
-the dense bf16 MLP's plus 1e-3 of the output's largest magnitude); fp32 inputs allow
-1e-5 of the largest magnitude. Inference only: gradients are not tested.
+Every numeric test runs the kernels in the Pallas interpreter and, marked gpu, compiled
+on the GPU, and the jnp backend ("xla") beside them. Tolerances: integer-valued inputs
+make every fp32 sum exact, so there the op must equal `pallas_kernels.reference.gated_mlp`
+bit for bit (same gate GEMM, same rounding points, the down GEMM only summing fewer
+exact terms). Normal-valued bf16 inputs use the project's bf16 rule
+(`assert_bf16_close`: the error against the fp32 truth at most 1.5x the dense bf16
+MLP's plus 1e-3 of the output's largest magnitude); fp32 inputs (xla only) allow 1e-5
+of the largest magnitude. Inference only: gradients are not tested.
 """
 
 import statistics
@@ -17,12 +19,22 @@ import pytest
 
 import pallas_kernels as pk
 from pallas_kernels import reference
-from pallas_kernels.decode import DEFAULT_CAPACITIES
-from pallas_kernels.decode.op import resolve_capacities
+from pallas_kernels.decode import DecodeConfig
+from tests.lowering import count_triton_calls
 from tests.pallas_kernels.twell.kernel_cases import assert_bf16_close, integer_mlp
 
 H, N = 128, 512
-SMALL_CAPS = (4, 8, 16)
+# Small launches for H = 128 (the defaults need H % 256 == 0); splits=3 checks the
+# partial sums and chunks that do not divide among the splits.
+SMALL = DecodeConfig(block_n=32, block_k=64, block_h=64, chunk=16)
+SMALL_SPLIT = DecodeConfig(block_n=16, block_k=64, block_h=32, chunk=16, splits=3)
+IMPLS = [
+    pytest.param(("interpret", SMALL), id="interpret"),
+    pytest.param(("interpret", SMALL_SPLIT), id="interpret_splits"),
+    pytest.param(("xla", SMALL), id="xla"),
+    pytest.param(("pallas", SMALL), id="gpu", marks=pytest.mark.gpu),
+    pytest.param(("pallas", SMALL_SPLIT), id="gpu_splits", marks=pytest.mark.gpu),
+]
 
 
 def normal_mlp(seed: int, m: int, nnz: float, h: int = H, n: int = N):
@@ -66,8 +78,9 @@ def first_k_active(m: int, n: int, k: int) -> np.ndarray:
     return active
 
 
-def run(x, wg, wu, wd, **kw):
-    return pk.sparse_decode_mlp(x, wg, wu, wd, return_stats=True, **kw)
+def run(impl, x, wg, wu, wd, **kw):
+    backend, cfg = impl
+    return pk.sparse_decode_mlp(x, wg, wu, wd, impl=backend, config=cfg, return_stats=True, **kw)
 
 
 def assert_exact(out, x, wg, wu, wd):
@@ -76,120 +89,169 @@ def assert_exact(out, x, wg, wu, wd):
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
 
 
-def expected_stats(x, wg, caps):
-    """(K, capacity) the op should report, from the dense reference's gate."""
+def expected_stats(x, wg):
+    """(K, l0) the op should report, from the dense reference's gate."""
     gate = np.asarray(reference.hidden(x, wg), np.float32) > 0
-    k = int(gate.any(axis=0).sum())
-    cap = next((c for c in caps if c >= k), -1)
-    return k, cap, float(gate.sum()) / x.shape[0]
+    return int(gate.any(axis=0).sum()), float(gate.sum()) / x.shape[0]
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("m", [1, 3, 8, 64])
-def test_random_sparse_inputs_match_dense(m):
-    """Normal-valued bf16 inputs, ~4 positives per row; K grows with M (64 -> 256 bucket)."""
+def test_random_sparse_inputs_match_dense(impl, m):
+    """Normal-valued bf16 inputs, ~4 positives per row; K grows with M."""
     x, wg, wu, wd = normal_mlp(m, m, 4.0)
-    out, stats = run(x, wg, wu, wd)
+    out, stats = run(impl, x, wg, wu, wd)
     assert out.shape == (m, H) and out.dtype == jnp.bfloat16
     assert_bf16_close(out, x, (wg, wu, wd), gated=True)
-    k, cap, l0 = expected_stats(x, wg, resolve_capacities(DEFAULT_CAPACITIES, N))
-    assert int(stats.active_neurons) == k and int(stats.capacity) == cap
-    assert int(stats.dense_fallback) == 0 and float(stats.l0) == pytest.approx(l0)
+    k, l0 = expected_stats(x, wg)
+    assert int(stats.active_neurons) == k and int(stats.dense_fallback) == 0
+    assert float(stats.l0) == pytest.approx(l0)
 
 
-def test_integer_inputs_are_bitwise_dense():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_integer_inputs_are_bitwise_dense(impl):
     x, wg, wu, wd = integer_mlp(0, 8, H, N, 40.0)
-    out, stats = run(x, wg, wu, wd)
-    assert 0 < int(stats.active_neurons) <= 256 and int(stats.dense_fallback) == 0
+    out, stats = run(impl, x, wg, wu, wd)
+    assert 0 < int(stats.active_neurons) < N and int(stats.dense_fallback) == 0
     assert_exact(out, x, wg, wu, wd)
 
 
-def test_fp32_inputs():
-    x, wg, wu, wd = (a.astype(jnp.float32) for a in normal_mlp(9, 3, 4.0))
-    out, stats = run(x, wg, wu, wd)
-    want = np.asarray(reference.gated_mlp(x, wg, wu, wd))
-    assert out.dtype == jnp.float32 and int(stats.dense_fallback) == 0
-    np.testing.assert_allclose(np.asarray(out), want, rtol=0, atol=1e-5 * np.abs(want).max())
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("k", [0, 1, 15, 16, 17, 48, 64], ids=lambda k: f"k{k}")
+def test_active_counts_around_chunk_edges(impl, k):
+    """K from 0 (all dead: exact zeros) through one chunk to several, odd M = 5."""
+    x, wg, wu, wd = controlled_mlp(3, first_k_active(5, N, k))
+    out, stats = run(impl, x, wg, wu, wd)
+    assert int(stats.active_neurons) == k and int(stats.dense_fallback) == 0
+    assert_exact(out, x, wg, wu, wd)
+    if k == 0:
+        np.testing.assert_array_equal(np.asarray(out, np.float32), 0.0)
 
 
-def test_all_neurons_dead_gives_exact_zeros():
-    x, wg, wu, wd = controlled_mlp(1, np.zeros((4, N), bool))
-    out, stats = run(x, wg, wu, wd)
-    np.testing.assert_array_equal(np.asarray(out, np.float32), 0.0)
-    assert int(stats.active_neurons) == 0 and int(stats.capacity) == 64
-    assert float(stats.l0) == 0.0
+@pytest.mark.parametrize("impl", IMPLS)
+def test_every_neuron_active(impl):
+    """Full blocks: each of 8 rows fires a 1/8 of the neurons, K = N."""
+    active = np.zeros((8, N), bool)
+    for j in range(N):
+        active[j % 8, j] = True
+    x, wg, wu, wd = controlled_mlp(8, active)
+    out, stats = run(impl, x, wg, wu, wd)
+    assert int(stats.active_neurons) == N
+    assert_exact(out, x, wg, wu, wd)
 
 
-def test_one_neuron_always_on():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_one_hot_neuron_for_every_row(impl):
     """Every row fires neuron 17 only: 8 row entries, K = 1 (dedup)."""
     active = np.zeros((8, N), bool)
     active[:, 17] = True
     x, wg, wu, wd = controlled_mlp(2, active)
-    out, stats = run(x, wg, wu, wd)
+    out, stats = run(impl, x, wg, wu, wd)
     assert int(stats.active_neurons) == 1 and float(stats.l0) == 1.0
     assert np.all(np.asarray(out, np.float32).any(axis=1))  # every row gets neuron 17
     assert_exact(out, x, wg, wu, wd)
 
 
-@pytest.mark.parametrize(
-    ("k", "capacity"),
-    [(8, 8), (9, 16), (16, 16), (17, -1), (60, -1)],
-    ids=["at_8", "past_8", "at_largest", "past_largest", "far_past"],
-)
-def test_capacity_buckets_and_dense_fallback(k, capacity):
-    x, wg, wu, wd = controlled_mlp(3, first_k_active(4, 64, k))
-    out, stats = run(x, wg, wu, wd, capacities=SMALL_CAPS)
-    assert int(stats.active_neurons) == k and int(stats.capacity) == capacity
-    assert int(stats.dense_fallback) == int(capacity == -1)
-    assert_exact(out, x, wg, wu, wd)
-
-
-def test_rows_sharing_neurons_are_gathered_once():
-    """4 rows each fire 6 of the same 8 neurons: 24 row entries, K = 8, capacity 8."""
+@pytest.mark.parametrize("impl", IMPLS)
+def test_rows_sharing_neurons_are_gathered_once(impl):
+    """4 rows each fire 6 of the same 8 neurons: 24 row entries, K = 8."""
     rng = np.random.default_rng(4)
-    active = np.zeros((4, 64), bool)
+    active = np.zeros((4, N), bool)
     pool = np.arange(20, 28)
     for row in active:
         row[rng.choice(pool, 6, replace=False)] = True
     x, wg, wu, wd = controlled_mlp(4, active)
-    out, stats = run(x, wg, wu, wd, capacities=SMALL_CAPS)
-    assert float(stats.l0) == 6.0
-    assert int(stats.active_neurons) == 8 and int(stats.capacity) == 8
+    out, stats = run(impl, x, wg, wu, wd)
+    assert float(stats.l0) == 6.0 and int(stats.active_neurons) == 8
     assert_exact(out, x, wg, wu, wd)
 
 
-def test_nonfinite_x_runs_dense_and_propagates():
-    x, wg, wu, wd = controlled_mlp(5, first_k_active(3, 64, 5))
-    x = x.at[1, 40].set(jnp.nan)
-    out, stats = run(x, wg, wu, wd, capacities=SMALL_CAPS)
-    assert int(stats.dense_fallback) == 1 and int(stats.capacity) == -1
-    assert np.isnan(np.asarray(out[1], np.float32)).all()
-    assert_exact(out, x, wg, wu, wd)  # NaNs in the same places, the other rows exact
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("bad", [jnp.nan, jnp.inf, -jnp.inf], ids=["nan", "inf", "-inf"])
+def test_nonfinite_x_gives_a_nan_row(impl, bad):
+    x, wg, wu, wd = controlled_mlp(5, first_k_active(3, N, 5))
+    x = x.at[1, 40].set(bad)
+    out, _ = run(impl, x, wg, wu, wd)
+    got = np.asarray(out, np.float32)
+    assert np.isnan(got[1]).all() and np.isfinite(got[[0, 2]]).all()
+    want = np.asarray(reference.gated_mlp(x, wg, wu, wd), np.float32)
+    np.testing.assert_array_equal(got[[0, 2]], want[[0, 2]])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_nan_gate_weight_propagates(impl):
+    """A NaN in w_gate makes that neuron's gate NaN for every row, as in the dense MLP."""
+    x, wg, wu, wd = controlled_mlp(6, first_k_active(4, N, 6))
+    wg = wg.at[300, 40].set(jnp.nan)
+    out, _ = run(impl, x, wg, wu, wd)
+    assert np.isnan(np.asarray(out, np.float32)).all()
+    assert np.isnan(np.asarray(reference.gated_mlp(x, wg, wu, wd), np.float32)).all()
+
+
+def test_fp32_inputs():
+    x, wg, wu, wd = (a.astype(jnp.float32) for a in normal_mlp(9, 3, 4.0))
+    out, stats = run(("xla", SMALL), x, wg, wu, wd)
+    want = np.asarray(reference.gated_mlp(x, wg, wu, wd))
+    assert out.dtype == jnp.float32 and int(stats.dense_fallback) == 0
+    np.testing.assert_allclose(np.asarray(out), want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+def test_more_tokens_than_max_tokens_run_dense():
+    x, wg, wu, wd = controlled_mlp(7, first_k_active(9, N, 3))
+    out, stats = run(("interpret", SMALL), x, wg, wu, wd, max_tokens=8)
+    assert int(stats.dense_fallback) == 1 and int(stats.active_neurons) == 3
+    assert_exact(out, x, wg, wu, wd)
 
 
 def test_leading_axes_jit_and_empty_batch():
     x, wg, wu, wd = normal_mlp(6, 6, 4.0)
-    op = jax.jit(pk.sparse_decode_mlp, static_argnames=("capacities", "return_stats"))
-    out3, stats = op(x.reshape(2, 3, H), wg, wu, wd, capacities=(32, 64), return_stats=True)
+    op = jax.jit(pk.sparse_decode_mlp, static_argnames=("impl", "config", "return_stats"))
+    out3, _ = op(x.reshape(2, 3, H), wg, wu, wd, impl="interpret", config=SMALL,
+                 return_stats=True)  # fmt: skip
     assert out3.shape == (2, 3, H)
-    eager = pk.sparse_decode_mlp(x, wg, wu, wd, capacities=(32, 64))
+    eager = pk.sparse_decode_mlp(x, wg, wu, wd, impl="interpret", config=SMALL)
     np.testing.assert_array_equal(
         np.asarray(out3.reshape(6, H), np.float32), np.asarray(eager, np.float32)
     )
-    assert int(stats.capacity) in (32, 64)
-    out0, stats0 = run(jnp.zeros((0, H), jnp.bfloat16), wg, wu, wd)
+    out0, stats0 = run(("interpret", SMALL), jnp.zeros((0, H), jnp.bfloat16), wg, wu, wd)
     assert out0.shape == (0, H) and int(stats0.active_neurons) == 0
 
 
-def test_resolve_capacities_sorts_dedups_and_drops_those_past_n():
-    assert resolve_capacities((128, 4, 64, 4, 16), 64) == (4, 16)
-    assert resolve_capacities((64,), 64) == ()
+def test_auto_runs_xla_off_the_gpu_and_for_fp32():
+    """On this CPU (or with fp32) "auto" is the jnp path: no Triton kernel in its HLO."""
+    x, wg, wu, wd = normal_mlp(10, 2, 4.0)
+    hlo = jax.jit(pk.sparse_decode_mlp).lower(x, wg, wu, wd).as_text()
+    assert "triton" not in hlo
 
 
-def test_no_capacity_below_n_always_runs_dense():
-    x, wg, wu, wd = controlled_mlp(7, first_k_active(2, 64, 3))
-    out, stats = run(x, wg, wu, wd, capacities=(64, 128))
-    assert int(stats.dense_fallback) == 1 and int(stats.active_neurons) == 3
-    assert_exact(out, x, wg, wu, wd)
+@pytest.mark.parametrize(
+    ("m", "cfg"),
+    [
+        (1, DecodeConfig()),
+        (8, DecodeConfig()),
+        (64, DecodeConfig(splits=4)),
+    ],
+)
+def test_cross_lowers_for_cuda_at_production_shape(m, cfg):
+    """H = 2048, N = 5632, the default launches: both kernels lower to Triton."""
+    x = jnp.zeros((m, 2048), jnp.bfloat16)
+    w = jnp.zeros((5632, 2048), jnp.bfloat16)
+    fn = lambda *a: pk.sparse_decode_mlp(*a, impl="pallas", config=cfg, max_tokens=64)
+    assert count_triton_calls(fn, x, w, w, w) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 8, 33, 64])
+@pytest.mark.parametrize("pattern", ["uniform", "skew"])
+def test_gpu_production_shape(m, pattern):
+    """H = 2048, N = 5632, ~29 positives per row, the defaults: the bf16 rule."""
+    from twell_jax.synthetic import synthetic_mlp
+
+    x, wg, wu, wd = synthetic_mlp(m, 2048, 5632, 29.0, pattern=pattern)
+    out, stats = pk.sparse_decode_mlp(x, wg, wu, wd, return_stats=True)
+    assert int(stats.dense_fallback) == 0
+    assert int(stats.active_neurons) == expected_stats(x, wg)[0]
+    assert_bf16_close(out, x, (wg, wu, wd), gated=True)
 
 
 X = jnp.zeros((4, 64), jnp.bfloat16)
@@ -208,12 +270,21 @@ W = jnp.zeros((256, 64), jnp.bfloat16)
         ((X[:, :32], W, W, W), {}, r"w_gate must be \[N, H\] = \[256, 32\]"),
         ((X, W[0], W, W), {}, r"w_gate must be an \[N, H\] matrix, got shape \(64,\)"),
         ((X, W, W[None], W), {}, r"w_up must be an \[N, H\] matrix"),
-        ((X, W, W, W), {"capacities": ()}, "capacities must be a non-empty"),
-        ((X, W, W, W), {"capacities": (8, 0)}, "positive ints"),
-        ((X, W, W, W), {"capacities": (8.0,)}, "positive ints"),
+        ((X, W, W, W), {"impl": "cuda"}, "impl='cuda': must be one of"),
+        (
+            (X.astype(jnp.float32), *(W.astype(jnp.float32),) * 3),
+            {"impl": "interpret"},
+            "runs bf16 only",
+        ),
+        ((X, W, W, W), {"impl": "interpret"}, "H=64 is not a multiple of DecodeConfig.block_k"),
+        ((X, W, W, W), {"max_tokens": 0}, r"max_tokens=0: must be in \[1, 64\]"),
+        ((X, W, W, W), {"config": DecodeConfig(chunk=24)}, "chunk=24 must be a power of two"),
     ],
 )
 def test_bad_inputs_raise(args, kwargs, message):
+    kwargs = {"impl": "xla", **kwargs}
+    if "config" in kwargs:
+        kwargs["impl"] = "interpret"
     with pytest.raises(ValueError, match=message):
         pk.sparse_decode_mlp(*args, **kwargs)
 

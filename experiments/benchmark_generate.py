@@ -1,0 +1,93 @@
+"""End-to-end generation: prefill, then KV-cache decode, dense FFNs against sparse ones.
+
+    python -m experiments.benchmark --mode=generate --model_presets=1.5b \
+        --generate_batch=1,8,64 --out=results/generate_1.5b_h200.json
+
+One bf16 model with synthetic sparsity (`twell_jax.synthetic.synthetic_sparse_params`,
+~nnz positive gate entries per token and layer) generates greedily from random prompts
+of `prompt_len` tokens, `new_tokens` per row, no stop token (every step runs), through
+`twell_jax.generate.generation_fns` with ffn="dense" and ffn="sparse" (prefill through
+the TwELL kernels, decode steps through `pallas_kernels.sparse_decode_mlp`). Each round
+times the prefill and the decode loop of both, alternating (docs/design.md §8);
+medians over rounds. Decode tokens/s counts the B x (new_tokens - 1) tokens of the
+loop (the first new token comes out of the prefill).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from twell_jax import generate
+from twell_jax.config import model_preset
+from twell_jax.synthetic import synthetic_sparse_params
+
+FFNS = ("dense", "sparse")
+
+
+def _timed(fn, *args):
+    start = time.perf_counter()
+    out = jax.block_until_ready(fn(*args))
+    return out, (time.perf_counter() - start) * 1e3
+
+
+def case(cfg, params, batch: int, prompt_len: int, new_tokens: int, reps: int) -> dict:
+    """One batch size: prefill and decode ms, decode tokens/s and ratios of both FFNs."""
+    rng = np.random.default_rng(batch)
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, prompt_len)), jnp.int32)
+    pad = jnp.zeros((batch,), jnp.int32)
+    stop = jnp.zeros((0,), jnp.int32)
+    key = jax.random.key(0)
+    fns = {ffn: generate.generation_fns(cfg, ffn) for ffn in FFNS}
+    params = generate.serving_params(params)
+    times = {ffn: {"prefill": [], "decode": []} for ffn in FFNS}
+    generated = {}
+    for rnd in range(reps + 1):  # round 0 compiles and warms up
+        for ffn, (prefill, _, loop) in fns.items():
+            state, t_prefill = _timed(prefill, params, tokens, pad, new_tokens, key, stop)
+            state, t_decode = _timed(loop, params, state, stop)
+            if rnd:
+                times[ffn]["prefill"].append(t_prefill)
+                times[ffn]["decode"].append(t_decode)
+            generated[ffn] = np.asarray(state.tokens)
+    decoded = batch * (new_tokens - 1)
+    rec = {"batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens, "reps": reps}
+    for ffn in FFNS:
+        for part in ("prefill", "decode"):
+            rec[f"{ffn}_{part}_ms"] = float(np.median(times[ffn][part]))
+        rec[f"{ffn}_decode_tokens_per_s"] = decoded / (rec[f"{ffn}_decode_ms"] * 1e-3)
+    ratio = lambda part: float(
+        np.median(np.asarray(times["dense"][part]) / np.asarray(times["sparse"][part]))
+    )
+    rec["decode_speedup"] = ratio("decode")
+    rec["prefill_speedup"] = ratio("prefill")
+    same = generated["dense"] == generated["sparse"]
+    rec["same_tokens_fraction"] = float(same.mean())
+    rec["rows_identical"] = int(same.all(axis=1).sum())
+    return rec
+
+
+def run(
+    presets: Sequence[str],
+    batches: Sequence[int],
+    *,
+    nnz: float = 29.0,
+    prompt_len: int = 512,
+    new_tokens: int = 256,
+    reps: int = 5,
+) -> list[dict]:
+    """One `case` record per preset and batch size (JSON-able), printed as it completes."""
+    records = []
+    for preset in presets:
+        params, calib_l0 = synthetic_sparse_params(preset, nnz)
+        cfg = model_preset(preset)
+        head = {"preset": preset, "target_nnz": nnz, "calibration_l0_mean": float(calib_l0.mean())}
+        for batch in batches:
+            records.append({**head, **case(cfg, params, batch, prompt_len, new_tokens, reps)})
+            print(records[-1], flush=True)
+        del params
+    return records
