@@ -26,9 +26,12 @@ kernels (`ffn_impl="twell"`: a gated ReLU FFN, kernel-supported widths; a bf16
 model — with fp32 compute the prefill stays dense) and the decode steps (B tokens)
 through `ffn_impl="decode"` (`pallas_kernels.sparse_decode_mlp`: the gate GEMV, then
 only the batch's active rows of W_up and W_down, docs/design.md §4.5; a non-gated
-model decodes densely); "auto" is
-"sparse" for a model configured with ffn_impl="twell" or "decode" and "dense"
-otherwise (the sparse training kernels have no inference advantage over dense, as in
+model decodes densely). "auto", for a model configured with ffn_impl="twell" or
+"decode", takes the faster path as measured on an H200 (docs/results.md, "Decode and
+generation"): the TwELL prefill from `AUTO_TWELL_PREFILL_TOKENS` prompt tokens up, the
+dense FFN below that and in every decode step (the decode op is slower than XLA's
+dense GEMVs at every batch measured); for any other model "auto" is "dense" (the
+sparse training kernels have no inference advantage over dense, as in
 `train.make_eval_step`).
 """
 
@@ -52,6 +55,9 @@ Params = dict[str, Any]
 FFN_MODES = ("auto", "dense", "sparse")
 # Generated-token slots after a row's stop token.
 NO_TOKEN = -1
+# "auto" runs the TwELL prefill from this many prompt tokens (B x P) up: the TwELL FFN
+# was 0.84x dense at 512 tokens and 1.27x at 4096 (docs/results.md).
+AUTO_TWELL_PREFILL_TOKENS = 4096
 # Padded prompt lengths are multiples of this, so that prompts of similar lengths share
 # one compiled prefill and decode loop.
 PROMPT_BUCKET = 8
@@ -105,7 +111,8 @@ def sample(logits: jax.Array, key: jax.Array, cfg: SamplingConfig) -> jax.Array:
 
 
 def inference_configs(cfg: ModelConfig, ffn: str = "auto") -> tuple[ModelConfig, ModelConfig]:
-    """(prefill, decode) model configs for the `ffn` mode (module docstring).
+    """(prefill, decode) model configs for the `ffn` mode (module docstring); with
+    "auto" a TwELL prefill config runs only from `twell_prefill_min_tokens` tokens up.
 
     Raises:
       ValueError: an unknown mode, or "sparse" for a model the TwELL kernels cannot run
@@ -114,13 +121,20 @@ def inference_configs(cfg: ModelConfig, ffn: str = "auto") -> tuple[ModelConfig,
     if ffn not in FFN_MODES:
         raise ValueError(f"ffn={ffn!r}: must be one of {FFN_MODES}")
     dense = dataclasses.replace(cfg, ffn_impl="dense", remat=False)
-    if ffn == "sparse" or (ffn == "auto" and cfg.ffn_impl in ("twell", "decode")):
+    auto_sparse = ffn == "auto" and cfg.ffn_impl in ("twell", "decode")
+    if ffn == "sparse" or auto_sparse:
         # The decode path is gated only; a non-gated ReLU model decodes densely.
         decode = dataclasses.replace(dense, ffn_impl="decode") if cfg.gated else dense
+        decode = dense if auto_sparse else decode
         if cfg.dtype != "bfloat16":  # the TwELL kernels are bf16; the decode path is not
             return dense, decode
         return dataclasses.replace(dense, ffn_impl="twell"), decode
     return dense, dense
+
+
+def twell_prefill_min_tokens(ffn: str) -> int:
+    """Prompt tokens (B x P) from which a TwELL prefill config runs: 0 for "sparse"."""
+    return AUTO_TWELL_PREFILL_TOKENS if ffn == "auto" else 0
 
 
 @jax.tree_util.register_dataclass
@@ -228,14 +242,21 @@ def _record(state: DecodeState, token: jax.Array, stop: jax.Array) -> DecodeStat
 
 
 @functools.cache
-def _compiled(prefill_cfg: ModelConfig, decode_cfg: ModelConfig, sampling: SamplingConfig):
-    """Jitted (prefill, step, loop) for one model / sampling setup (one compile per shape)."""
+def _compiled(
+    prefill_cfg: ModelConfig,
+    decode_cfg: ModelConfig,
+    sampling: SamplingConfig,
+    min_prefill_tokens: int = 0,
+):
+    """Jitted (prefill, step, loop) for one model / sampling setup (one compile per
+    shape); a prefill of fewer than `min_prefill_tokens` tokens runs the dense FFN."""
     prefill_def, decode_def = model_graphdef(prefill_cfg), model_graphdef(decode_cfg)
+    dense_def = model_graphdef(dataclasses.replace(prefill_cfg, ffn_impl="dense"))
     cfg = decode_cfg
 
     def prefill(params, tokens, pad, max_new, key, stop):
-        model = _merge(prefill_def, params)
-        b, p = tokens.shape
+        b, p = tokens.shape  # static: the FFN path is picked at trace time
+        model = _merge(prefill_def if b * p >= min_prefill_tokens else dense_def, params)
         cols = jnp.arange(p)
         cos, sin = rope_angles(jnp.maximum(cols - pad[:, None], 0), cfg.head_dim, cfg.rope_theta)
         mask = _attention_mask(cols, pad, p + max_new)
@@ -304,7 +325,7 @@ def generation_fns(
     with the first new token; loop(params, state, stop) runs the remaining decode steps
     (donating state); step(params, state, stop) is one of them.
     """
-    return _compiled(*inference_configs(cfg, ffn), sampling)
+    return _compiled(*inference_configs(cfg, ffn), sampling, twell_prefill_min_tokens(ffn))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -126,8 +126,12 @@ def test_ffn_modes_pick_the_prefill_and_decode_paths():
     twell = small_model(ffn_impl="twell")
     impls = lambda c, f: tuple(x.ffn_impl for x in G.inference_configs(c, f))
     assert impls(cfg, "auto") == impls(cfg, "dense") == ("dense", "dense")
-    assert impls(cfg, "sparse") == impls(twell, "auto") == ("twell", "decode")
-    assert impls(small_model(ffn_impl="decode"), "auto") == ("twell", "decode")
+    assert impls(cfg, "sparse") == impls(twell, "sparse") == ("twell", "decode")
+    # auto: the measured faster paths, TwELL prefill (from enough tokens), dense decode
+    assert impls(twell, "auto") == impls(small_model(ffn_impl="decode"), "auto")
+    assert impls(twell, "auto") == ("twell", "dense")
+    assert G.twell_prefill_min_tokens("auto") == G.AUTO_TWELL_PREFILL_TOKENS > 0
+    assert G.twell_prefill_min_tokens("sparse") == 0
     assert impls(small_model(ffn_impl="sparse"), "auto") == ("dense", "dense")
     # fp32 compute: no TwELL prefill; a non-gated model: no decode path
     assert impls(small_model(dtype="float32"), "sparse") == ("dense", "decode")
@@ -158,7 +162,7 @@ def test_sparse_decode_gives_the_dense_tokens_on_a_sparse_model():
         assert int(stats["dense_fallback"]) == 0, layer
 
 
-def test_sparse_prefill_runs_the_twell_kernels(monkeypatch):
+def _record_twell_calls(monkeypatch) -> list:
     calls = []
 
     def stand_in(x, w_gate, w_up, w_down, **kw):
@@ -168,12 +172,28 @@ def test_sparse_prefill_runs_the_twell_kernels(monkeypatch):
         return out, pallas_kernels.TwellStats(jnp.zeros((), jnp.float32), zero, zero)
 
     monkeypatch.setattr(pallas_kernels, "twell_gated_mlp", stand_in)
+    return calls
+
+
+def test_sparse_prefill_runs_the_twell_kernels(monkeypatch):
+    calls = _record_twell_calls(monkeypatch)
     cfg = small_model(seq_len=24)  # a config no other test compiles
     params = init_params(cfg)
     sparse = G.generate(cfg, params, PROMPTS[:2], 3, ffn="sparse").new_token_ids
     # Traced once per (unrolled) layer with the prefill's B * P tokens, never in a decode step.
     assert calls == [(2 * G.PROMPT_BUCKET, cfg.d_model)] * cfg.n_layers
     assert [len(row) for row in sparse] == [3, 3]
+
+
+def test_auto_prefill_runs_twell_only_from_enough_tokens(monkeypatch):
+    calls = _record_twell_calls(monkeypatch)
+    cfg = small_model(seq_len=26, ffn_impl="twell")  # a config no other test compiles
+    params = init_params(cfg)
+    G.generate(cfg, params, PROMPTS[:2], 3, ffn="auto")  # 16 prompt tokens
+    assert calls == []
+    monkeypatch.setattr(G, "AUTO_TWELL_PREFILL_TOKENS", 16)
+    G.generate(cfg, params, PROMPTS[:2], 3, ffn="auto")
+    assert calls == [(2 * G.PROMPT_BUCKET, cfg.d_model)] * cfg.n_layers
 
 
 @pytest.mark.gpu
