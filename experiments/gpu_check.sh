@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the GPU test suite, then the benchmarks.
-#   bash experiments/gpu_check.sh [tests|kernel|train|model|train_model|patterns|switch|captured|tune|train_tune|memory|quality|l1sweep|all]...
+#   bash experiments/gpu_check.sh [tests|kernel|train|model|train_model|patterns|switch|captured|decode|train_memory|tune|train_tune|memory|quality|l1sweep|all]...
 # Results (JSON and logs) go to $OUT when set, else results/ (README.md, "Reproduce").
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -59,6 +59,17 @@ for what in "${@:-all}"; do
           --capture_layers=0,3,6,9,11 --reps=20 --out="$OUT/train_captured_125m_l1_$lam.json" \
           || status=1
       done ;;
+    decode)  # the FFN at decode sizes on two patterns, then 1.5B generation
+      for p in uniform skew; do
+        python3 -m experiments.benchmark --mode=decode --decode_tokens=1,8,64,512 --reps=20 \
+          --pattern="$p" --out="$OUT/decode_ffn_${p}_h200.json" || status=1
+      done
+      python3 -m experiments.benchmark --mode=generate --model_presets=1.5b \
+        --generate_batch=1,8,64 --reps=3 --out="$OUT/generate_1.5b_h200.json" || status=1 ;;
+    train_memory)  # peak memory of the real 2B step, dense and sparse
+      python3 -m experiments.benchmark_memory --preset=2b --batch=8 --seq=2048 \
+        --ffn_impls=dense,sparse --model_nnz=29 --out="$OUT/train_step_memory_2b_h200.json" \
+        || status=1 ;;
     tune) python3 -m experiments.benchmark --mode=tune --out="$OUT/tune_h200.json" || status=1 ;;
     train_tune) python3 -m experiments.benchmark --mode=train_tune \
                   --out="$OUT/train_tune_h200.json" || status=1 ;;
