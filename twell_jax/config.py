@@ -64,8 +64,8 @@ class ModelConfig:
       twell_compression: C of the TwELL format (ffn_impl="twell").
       sparse_ell_width: W of the sparse training op's ELL rows (ffn_impl="sparse"): a
         token with more positive gate entries in a layer goes to the dense tail. The
-        ELL residuals the remat policy keeps for the backward take 10 W bytes per token
-        per layer (21 MB at W=128 and 16384 tokens); any `SparseTrainConfig.ell_width`.
+        ELL residuals the remat policy keeps for the backward take 6 W bytes per token
+        per layer (12.6 MB at W=128 and 16384 tokens); any `SparseTrainConfig.ell_width`.
       dtype: compute dtype name.
       param_dtype: master parameter dtype name.
       remat: rematerialise every layer in the backward pass.

@@ -252,18 +252,27 @@ def _op(static, l1_coef, x, wg, wu, wd):
     return out, stats
 
 
+def _saved_cols(cols: jax.Array, n: int) -> jax.Array:
+    """The ELL columns as the residuals keep them: int16 while N fits (half the bytes)."""
+    return cols.astype(jnp.int16) if n <= jnp.iinfo(jnp.int16).max else cols
+
+
 def _op_fwd(static, l1_coef, x, wg, wu, wd):
     out, stats, res = _forward(static, x, wg, wu, wd)
-    # Named so a remat policy can keep the small ELL residuals (~20 MB per layer at
-    # M=16384) instead of re-running the gate GEMM and the forward kernels.
-    x, wg, wu, wd, *ell_res = res
-    ell_res = checkpoint_name(tuple(ell_res), RESIDUALS_NAME)
-    return (out, stats), (l1_coef, x, wg, wu, wd, *ell_res)
+    # Named so a remat policy can keep the small ELL residuals (~12 MB per layer at
+    # M=16384) instead of re-running the gate GEMM and the forward kernels. They are
+    # kept compact: int16 columns, and no T = P * R, which the backward recomputes
+    # bit for bit (docs/performance_notes.md, "Training-step memory").
+    x, wg, wu, wd, ell_count, cols, p_vals, col_counts, r, _, rows, bucket = res
+    saved = (ell_count, _saved_cols(cols, wg.shape[0]), p_vals, col_counts, r, rows, bucket)
+    saved = checkpoint_name(saved, RESIDUALS_NAME)
+    return (out, stats), (l1_coef, x, wg, wu, wd, *saved)
 
 
 def _op_bwd(static, res, cts):
     cfg = static.config
-    l1_coef, x, wg, wu, wd, ell_count, cols, p_vals, col_counts, r, t, rows, bucket = res
+    l1_coef, x, wg, wu, wd, ell_count, cols, p_vals, col_counts, r, rows, bucket = res
+    cols = cols.astype(jnp.int32)
     g_out, g_stats = cts
     m, caps = x.shape[0], cfg.tail_capacities
     g_out = g_out.astype(x.dtype)
@@ -278,6 +287,7 @@ def _op_bwd(static, res, cts):
         index = fmt.build_csc(ell_count, cols, col_counts, exclude=plan.is_hot())
 
     def sparse(_):
+        t = row_kernels.hidden_products(p_vals, r, ell_count)
         ell = (ell_count, cols, p_vals, r, t, scale[None])
         with jax.named_scope("twell_sddmm_grad"):
             kw = _kernel_kwargs(static, cfg.sddmm_grad)

@@ -128,11 +128,19 @@ def _sddmm_up_kernel(
     _triton.store(l1_ref.at[row + iota(1)], jnp.broadcast_to(l1, (1,)))
 
 
+def hidden_products(p_vals: jax.Array, r_vals: jax.Array, ell_count: jax.Array) -> jax.Array:
+    """T = P * R rounded to R's dtype at the used slots, 0 elsewhere: sddmm_up's t_vals
+    bit for bit (the product of two bf16 values is exact in fp32), so the training op's
+    backward can recompute it instead of saving it. All [M, W]; ell_count int32 [M]."""
+    valid = slot_mask(ell_count, r_vals.shape[1])
+    return jnp.where(valid, p_vals.astype(_F32) * r_vals.astype(_F32), 0).astype(r_vals.dtype)
+
+
 def _sddmm_up_xla(x, w_up, ell_count, cols, p_vals):
     valid = slot_mask(ell_count, cols.shape[1])
     r = jnp.einsum("mh,mwh->mw", x, w_up[cols], preferred_element_type=_F32)
     r = jnp.where(valid, r, 0).astype(x.dtype)
-    t = jnp.where(valid, p_vals.astype(_F32) * r.astype(_F32), 0).astype(x.dtype)
+    t = hidden_products(p_vals, r, ell_count)
     return r, t, jnp.sum(jnp.abs(t.astype(_F32)), axis=1)
 
 

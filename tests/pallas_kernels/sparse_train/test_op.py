@@ -226,6 +226,18 @@ def test_remat_policy_keeps_residuals():
     assert count_compactions(jax.checkpoint_policies.save_only_these_names(RESIDUALS_NAME)) == 1
 
 
+def test_residuals_are_compact(capsys):
+    """The ELL residuals: int16 columns and two bf16 [M, W] value arrays (P, R), no T."""
+    inputs = make_inputs(17, M, H, N, 6)[:4]
+    cfg = SparseTrainConfig(impl="xla", **SMALL)
+    fn = lambda *a: jnp.sum(sparse_gated_mlp_train(*a, config=cfg)[0].astype(jnp.float32))
+    policy = jax.checkpoint_policies.save_only_these_names(RESIDUALS_NAME)
+    jax.ad_checkpoint.print_saved_residuals(jax.checkpoint(fn, policy=policy), *inputs)
+    lines = [line for line in capsys.readouterr().out.splitlines() if RESIDUALS_NAME in line]
+    per_slot = sorted(line.split("[")[0] for line in lines if f"[{M},{cfg.ell_width}]" in line)
+    assert per_slot == ["bf16", "bf16", "i16"]
+
+
 @pytest.mark.parametrize("interpret", MODES)
 def test_deterministic(interpret):
     inputs = make_inputs(14, M, H, N, 6, heavy=(3, 8), zero=(2,))
