@@ -2,13 +2,15 @@
 
 Public API: the inference ops (TwELL) and their stage configs, the decode op (gate GEMV,
 then the active rows), the training op (hybrid ELL + dense tail) and its remat residual
-name; the kernels and formats live in their own modules.
+name, and the dense gated MLP in row blocks (the sparse model's dense branch); the
+kernels and formats live in their own modules.
 """
 
 from pallas_kernels.decode import DecodeStats, sparse_decode_mlp
 from pallas_kernels.sparse_train import (
     RESIDUALS_NAME,
     SparseTrainConfig,
+    blocked_gated_mlp,
     sparse_gated_mlp_train,
     sparse_train_supported,
 )
@@ -28,6 +30,7 @@ __all__ = [
     "SparseTrainConfig",
     "T2DConfig",
     "TwellStats",
+    "blocked_gated_mlp",
     "sparse_decode_mlp",
     "sparse_gated_mlp_train",
     "sparse_train_supported",

@@ -250,9 +250,22 @@ def _ffn_decode(x: jax.Array, w: dict[str, jax.Array]) -> tuple[jax.Array, Stats
     return out, {"l0": stats.l0, "dense_fallback": stats.dense_fallback}
 
 
+# Rows per block of the dense branch of the per-layer switch (ffn_impl="sparse").
+DENSE_BRANCH_BLOCK_ROWS = 4096
+
+
 def _ffn_dense_counted(x: jax.Array, w: dict[str, jax.Array]) -> tuple[jax.Array, Stats]:
-    """`_ffn_dense` (gated ReLU) with zero overflow counters, the other branch of the switch."""
-    out, stats = _ffn_dense(x, w, "gated_relu")
+    """The dense branch of the switch (gated ReLU): `_ffn_dense`'s output and stats
+    with zero overflow counters, computed in blocks of `DENSE_BRANCH_BLOCK_ROWS` rows
+    (`pallas_kernels.blocked_gated_mlp`). XLA plans the switch's memory for its larger
+    branch, so a whole-M dense branch would give the sparse model the dense FFN's
+    [M, N] temporaries however rarely it ran (docs/performance_notes.md,
+    "Training-step memory")."""
+    out, l1_sum, nnz, fired = pallas_kernels.blocked_gated_mlp(
+        x, w["w_gate"], w["w_up"], w["w_down"], DENSE_BRANCH_BLOCK_ROWS
+    )
+    m = x.shape[0]
+    stats = {"l1": l1_sum / m, "l0": nnz / m, "fired": fired}
     return out, {**stats, **{k: jnp.zeros((), jnp.int32) for k in SPARSE_COUNTERS}}
 
 
@@ -310,7 +323,8 @@ class FeedForward(nnx.Module):
             return _per_batch_shard(_ffn_decode)(x, w)
         if cfg.ffn_impl == "sparse":
             sparse = lambda x, w: _ffn_sparse(x, w, cfg.sparse_ell_width)
-            return jax.lax.cond(use_sparse, _per_batch_shard(sparse), _ffn_dense_counted, x, w)
+            dense = _per_batch_shard(_ffn_dense_counted)
+            return jax.lax.cond(use_sparse, _per_batch_shard(sparse), dense, x, w)
         return _ffn_dense(x, w, cfg.ffn_variant)
 
 

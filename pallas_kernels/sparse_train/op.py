@@ -23,7 +23,7 @@ fallback  when the heavy rows exceed the largest tail capacity, or x or a weight
 
 No host round trips: the choices (tail bucket, fallback) are `lax.cond` / `lax.switch`
 on device values whose branches hold only kernels, GEMMs and fusions, so XLA runs them
-as CUDA-graph conditionals (docs/design.md §6.4; see `_fallback_blocks` and
+as CUDA-graph conditionals (docs/design.md §6.4; see `dense_rows.row_blocks` and
 `format.build_csc` for what that takes).
 
 The L1 term is differentiable through `stats["l1"]`: a loss `f(out) + lam * stats["l1"]`
@@ -42,7 +42,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from pallas_kernels import _triton
-from pallas_kernels.sparse_train import compaction, csc, hot, row_kernels
+from pallas_kernels.sparse_train import compaction, csc, dense_rows, hot, row_kernels
 from pallas_kernels.sparse_train import format as fmt
 from pallas_kernels.sparse_train.config import LAUNCH_FIELDS, SparseTrainConfig
 from pallas_kernels.sparse_train.reference import dense_block
@@ -92,62 +92,6 @@ def sparse_train_supported(m: int, h: int, n: int, config: SparseTrainConfig) ->
     if cfg.compact.block_cols < _MIN_BLOCK:
         return f"no power-of-two compact.block_cols >= {_MIN_BLOCK} divides N={n}"
     return None
-
-
-# Most dense blocks the fallback unrolls into; larger M gets larger blocks.
-_MAX_FALLBACK_BLOCKS = 16
-
-
-def _fallback_blocks(m: int, block_rows: int) -> list[tuple[int, int]]:
-    """Static (start, size) row blocks covering M for the dense fallback.
-
-    The loop is unrolled in Python rather than a `fori_loop`: XLA runs a while loop
-    from the host (a device-to-host copy of its predicate per iteration, and one for
-    the cond around it), which made the op's two conds stall the GPU on every step
-    even when the fallback never ran. Unrolled, both conds run as CUDA-graph
-    conditionals with a device-side predicate (docs/design.md §6.4).
-    """
-    b = max(min(block_rows, m), -(-m // _MAX_FALLBACK_BLOCKS))
-    return [(s, min(b, m - s)) for s in range(0, m, b)]
-
-
-def _after(a, dep):
-    """`a`, but computed only once `dep` is: orders the unrolled blocks, so at most one
-    block's [rows, N] temporaries are live (the scheduler may otherwise overlap them)."""
-    return lax.optimization_barrier((a, dep))[0]
-
-
-def _dense_fallback_fwd(x, wg, wu, wd, block_rows: int):
-    """`dense_block` over blocks of rows: (out [M, H], sum |h|) with O(block N) temps.
-
-    The fallback branch shares the op's memory plan, so a whole-M dense block would make
-    the sparse op's peak memory that of the dense MLP.
-    """
-    out, l1 = jnp.zeros_like(x), jnp.zeros((), _F32)
-    for start, size in _fallback_blocks(x.shape[0], block_rows):
-        x_b = _after(lax.slice_in_dim(x, start, start + size), out)
-        out_b, l1_b = dense_block(x_b, wg, wu, wd)
-        out = lax.dynamic_update_slice_in_dim(out, out_b, start, 0)
-        l1 = l1 + l1_b
-    return out, l1
-
-
-def _dense_fallback_bwd(x, g_out, wg, wu, wd, scale, block_rows: int):
-    """Gradients of `dense_block` over blocks of rows: (dx, dWg, dWu, dWd).
-
-    Weight gradients are summed over blocks in fp32, then rounded to the weights' dtype.
-    """
-    weights = (wg, wu, wd)
-    dx = jnp.zeros_like(x)
-    dws = tuple(jnp.zeros(w.shape, _F32) for w in weights)
-    for start, size in _fallback_blocks(x.shape[0], block_rows):
-        rows = functools.partial(lax.slice_in_dim, start_index=start, limit_index=start + size)
-        x_b, g_b = _after((rows(x), rows(g_out)), (dx, dws))
-        _, vjp = jax.vjp(dense_block, x_b, *weights)
-        dx_b, *dw_b = vjp((g_b, scale))
-        dws = tuple(a + d.astype(_F32) for a, d in zip(dws, dw_b, strict=True))
-        dx = lax.dynamic_update_slice_in_dim(dx, dx_b, start, 0)
-    return (dx, *(d.astype(w.dtype) for d, w in zip(dws, weights, strict=True)))
 
 
 def _gather_rows(a, rows):
@@ -225,7 +169,7 @@ def _forward(static: _Static, x, wg, wu, wd):
 
     def dense(_):
         with jax.named_scope("twell_dense_fallback_fwd"):
-            out, l1_sum = _dense_fallback_fwd(x, wg, wu, wd, cfg.fallback_block_rows)
+            out, l1_sum, _, _ = dense_rows.dense_forward(x, wg, wu, wd, cfg.fallback_block_rows)
         zeros = jnp.zeros_like(ell.vals)
         return out, l1_sum, zeros, zeros
 
@@ -315,7 +259,7 @@ def _op_bwd(static, res, cts):
 
     def dense(_):
         with jax.named_scope("twell_dense_fallback_bwd"):
-            return _dense_fallback_bwd(x, g_out, wg, wu, wd, scale, cfg.fallback_block_rows)
+            return dense_rows.dense_backward(x, g_out, wg, wu, wd, scale, cfg.fallback_block_rows)
 
     # A non-finite upstream gradient (or l1 cotangent) also runs the dense backward: the
     # sparse one would carry it only along the pattern, where the dense formula's

@@ -23,7 +23,7 @@ from pallas_kernels import reference as ref
 from pallas_kernels.sparse_train import (
     RESIDUALS_NAME,
     SparseTrainConfig,
-    op,
+    dense_rows,
     sparse_gated_mlp_train,
 )
 from tests.lowering import TRITON_CALL, lower_for_cuda
@@ -287,9 +287,9 @@ def test_op_value_and_grad_lowers_for_cuda(verified_modules):
 
 
 def test_fallback_blocks_cover_m_in_order():
-    assert op._fallback_blocks(40, 16) == [(0, 16), (16, 16), (32, 8)]
-    assert op._fallback_blocks(8, 2048) == [(0, 8)]
-    blocks = op._fallback_blocks(131072, 2048)  # capped at 16 blocks of 8192 rows
+    assert dense_rows.row_blocks(40, 16) == [(0, 16), (16, 16), (32, 8)]
+    assert dense_rows.row_blocks(8, 2048) == [(0, 8)]
+    blocks = dense_rows.row_blocks(131072, 2048)  # capped at 16 blocks of 8192 rows
     assert len(blocks) == 16 and blocks[-1] == (122880, 8192)
 
 
@@ -299,7 +299,7 @@ def test_dense_fallback_has_no_while_loop():
     x = jnp.ones((40, 32), jnp.bfloat16)
     w = jnp.ones((64, 32), jnp.bfloat16)
     scale = jnp.ones((), jnp.float32)
-    fwd = jax.jit(lambda *a: op._dense_fallback_fwd(*a, 16)).lower(x, w, w, w).as_text()
-    bwd = jax.jit(lambda *a: op._dense_fallback_bwd(*a, 16)).lower(x, x, w, w, w, scale)
+    fwd = jax.jit(lambda *a: dense_rows.dense_forward(*a, 16)).lower(x, w, w, w).as_text()
+    bwd = jax.jit(lambda *a: dense_rows.dense_backward(*a, 16)).lower(x, x, w, w, w, scale)
     for text in (fwd, bwd.as_text()):
         assert "stablehlo.while" not in text
