@@ -9,7 +9,7 @@ block parameter carries a leading [L] axis, and run with `jax.lax.scan` (one com
 layer, optional per-layer remat). FFN weights are stored [N, H] for all three matrices
 (`w_down` is down_proj transposed: out = h @ w_down), the layout the kernels read.
 
-FFN implementations (`ModelConfig.ffn_impl`):
+FFN implementations (`ModelConfig.ffn_impl`, in `twell_jax.ffn`):
 - "dense": XLA einsums with the hidden activation h materialised, so l1 / l0 / fired
   are exact. The baseline, and the CPU training path.
 - "twell": `pallas_kernels.twell_gated_mlp` / `twell_mlp` (TwELL inference kernels,
@@ -41,9 +41,8 @@ import numpy as np
 from flax import nnx
 
 import pallas_kernels
-from twell_jax import sharding
+from twell_jax import ffn, sharding
 from twell_jax.config import ModelConfig
-from twell_jax.sparsity import hidden_stats
 
 Stats = dict[str, jax.Array]
 
@@ -162,134 +161,6 @@ class Attention(nnx.Module):
         return jnp.einsum("bsnd,ndh->bsh", o, self.wo[...].astype(self.dtype))
 
 
-# GEMMs below return the inputs' dtype (XLA accumulates in fp32 inside and rounds once):
-# asking for fp32 outputs would make the backward pass run fp32 GEMMs.
-
-
-def _proj(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [M, H] @ w [N, H]^T -> [M, N] in x.dtype."""
-    return jnp.einsum("mh,nh->mn", x, w)
-
-
-def _ffn_dense(x: jax.Array, w: dict[str, jax.Array], variant: str) -> tuple[jax.Array, Stats]:
-    """XLA FFN with h materialised in x.dtype, as a dense bf16 MLP rounds it.
-
-    Args:
-      x: [M, H] compute dtype.
-      w: "w_up", "w_down" and (gated variants) "w_gate", each [N, H] compute dtype.
-      variant: ModelConfig.ffn_variant.
-
-    Returns:
-      out [M, H] in x.dtype and `hidden_stats(h)`.
-    """
-    up = _proj(x, w["w_up"])
-    if variant == "relu":
-        h = jax.nn.relu(up)
-    else:
-        act = jax.nn.relu if variant == "gated_relu" else jax.nn.silu
-        h = act(_proj(x, w["w_gate"])) * up
-    return jnp.einsum("mn,nh->mh", h, w["w_down"]), hidden_stats(h)
-
-
-def _ffn_twell(x: jax.Array, w: dict[str, jax.Array], compression: int) -> tuple[jax.Array, Stats]:
-    """TwELL inference kernels (no sparse gradient). x [M, H] bf16 -> [M, H] bf16.
-
-    Stats: `l0` fp32 (positive gate entries per token, an upper bound on the non-zeros
-    of h), `max_tile_count` and `overflow_tiles` int32 (TwELL tiles past capacity,
-    recomputed densely by the kernel).
-    """
-    if "w_gate" in w:
-        out, stats = pallas_kernels.twell_gated_mlp(
-            x, w["w_gate"], w["w_up"], w["w_down"], compression=compression, return_stats=True
-        )
-    else:
-        out, stats = pallas_kernels.twell_mlp(
-            x, w["w_up"], w["w_down"], compression=compression, return_stats=True
-        )
-    return out, {
-        "l0": stats.nnz_per_row,
-        "max_tile_count": stats.max_tile_count,
-        "overflow_tiles": stats.overflow_tiles,
-    }
-
-
-# Overflow counters of the sparse training op (docs/design.md §6.4: nothing silently lost);
-# zero on the dense path.
-SPARSE_COUNTERS = ("tail_rows", "dense_fallback")
-
-
-def _ffn_sparse(x: jax.Array, w: dict[str, jax.Array], ell_width: int) -> tuple[jax.Array, Stats]:
-    """Sparse training kernels (gated ReLU), same outputs as `_ffn_dense_counted`.
-
-    The L1 gradient reaches the kernels through the cotangent of the differentiable
-    `stats["l1"]` (docs/design.md §6: c = g_l1 / M), exactly as on the dense path, so
-    the op's own `l1_coef` stays 0.
-    """
-    config = pallas_kernels.SparseTrainConfig(ell_width=ell_width)
-    out, stats = pallas_kernels.sparse_gated_mlp_train(
-        x, w["w_gate"], w["w_up"], w["w_down"], config=config
-    )
-    # lax.cond with the dense branch needs identical structures and dtypes.
-    return out.astype(x.dtype), {
-        "l1": stats["l1"].astype(jnp.float32),
-        "l0": stats["l0"].astype(jnp.float32),
-        "fired": stats["fired"].astype(bool),
-        **{k: stats[k].astype(jnp.int32) for k in SPARSE_COUNTERS},
-    }
-
-
-def _ffn_decode(x: jax.Array, w: dict[str, jax.Array]) -> tuple[jax.Array, Stats]:
-    """The small-M decode path (gated ReLU). x [M, H] bf16 or fp32 -> [M, H] x.dtype.
-
-    Stats: `l0` fp32 (non-zero gate entries per token) and `dense_fallback` int32 (1 when
-    M is above the op's max_tokens and the dense formula ran).
-    """
-    out, stats = pallas_kernels.sparse_decode_mlp(
-        x, w["w_gate"], w["w_up"], w["w_down"], return_stats=True
-    )
-    return out, {"l0": stats.l0, "dense_fallback": stats.dense_fallback}
-
-
-# Rows per block of the dense branch of the per-layer switch (ffn_impl="sparse").
-DENSE_BRANCH_BLOCK_ROWS = 4096
-
-
-def _ffn_dense_counted(x: jax.Array, w: dict[str, jax.Array]) -> tuple[jax.Array, Stats]:
-    """The dense branch of the switch (gated ReLU): `_ffn_dense`'s output and stats
-    with zero overflow counters, computed in blocks of `DENSE_BRANCH_BLOCK_ROWS` rows
-    (`pallas_kernels.blocked_gated_mlp`). XLA plans the switch's memory for its larger
-    branch, so a whole-M dense branch would give the sparse model the dense FFN's
-    [M, N] temporaries however rarely it ran (docs/performance_notes.md,
-    "Training-step memory")."""
-    out, l1_sum, nnz, fired = pallas_kernels.blocked_gated_mlp(
-        x, w["w_gate"], w["w_up"], w["w_down"], DENSE_BRANCH_BLOCK_ROWS
-    )
-    m = x.shape[0]
-    stats = {"l1": l1_sum / m, "l0": nnz / m, "fired": fired}
-    return out, {**stats, **{k: jnp.zeros((), jnp.int32) for k in SPARSE_COUNTERS}}
-
-
-def _any(v: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-    return jax.lax.psum(v.astype(jnp.int32), axes) > 0
-
-
-# How each statistic combines over batch shards.
-_STAT_REDUCTIONS = {
-    "l1": jax.lax.pmean,
-    "l0": jax.lax.pmean,
-    "fired": _any,
-    "max_tile_count": jax.lax.pmax,
-    "overflow_tiles": jax.lax.psum,
-    "tail_rows": jax.lax.psum,
-    "dense_fallback": jax.lax.pmax,
-}
-
-
-def _per_batch_shard(fn: Callable) -> Callable:
-    """`sharding.per_batch_shard` with the FFN statistics' reductions."""
-    return sharding.per_batch_shard(fn, _STAT_REDUCTIONS)
-
-
 class FeedForward(nnx.Module):
     """The FFN block, weights [N, H]: w_gate (gated variants), w_up, w_down."""
 
@@ -310,22 +181,22 @@ class FeedForward(nnx.Module):
 
         Returns:
           out [M, H] compute dtype, and stats {l1, l0: fp32 scalars, fired: [N] bool};
-          ffn_impl="sparse" adds the int32 counters `SPARSE_COUNTERS`; ffn_impl="twell"
-          gives {l0, max_tile_count, overflow_tiles} instead (see `_ffn_twell`).
+          ffn_impl="sparse" adds the int32 counters `ffn.SPARSE_COUNTERS`; ffn_impl="twell"
+          gives {l0, max_tile_count, overflow_tiles} instead (see `ffn.twell`).
         """
         cfg = self.cfg
         names = ("w_gate", "w_up", "w_down") if cfg.gated else ("w_up", "w_down")
         w = {k: getattr(self, k)[...].astype(cfg.compute_dtype) for k in names}
         if cfg.ffn_impl == "twell":
-            twell = lambda x, w: _ffn_twell(x, w, cfg.twell_compression)
-            return _per_batch_shard(twell)(x, w)
+            twell = lambda x, w: ffn.twell(x, w, cfg.twell_compression)
+            return ffn.per_batch_shard(twell)(x, w)
         if cfg.ffn_impl == "decode":
-            return _per_batch_shard(_ffn_decode)(x, w)
+            return ffn.per_batch_shard(ffn.decode)(x, w)
         if cfg.ffn_impl == "sparse":
-            sparse = lambda x, w: _ffn_sparse(x, w, cfg.sparse_ell_width)
-            dense = _per_batch_shard(_ffn_dense_counted)
-            return jax.lax.cond(use_sparse, _per_batch_shard(sparse), dense, x, w)
-        return _ffn_dense(x, w, cfg.ffn_variant)
+            sparse = ffn.per_batch_shard(lambda x, w: ffn.sparse(x, w, cfg.sparse_ell_width))
+            dense = ffn.per_batch_shard(ffn.dense_counted)
+            return jax.lax.cond(use_sparse, sparse, dense, x, w)
+        return ffn.dense(x, w, cfg.ffn_variant)
 
 
 class Block(nnx.Module):
@@ -462,6 +333,6 @@ class Transformer(nnx.Module):
         """
         x, stats = self.hidden_states(tokens, use_sparse)
         head = self.embed if self.cfg.tie_embeddings else self.lm_head
-        # bf16 GEMM (see `_proj`), upcast for the softmax, as HF Llama does.
+        # bf16 GEMM (as in twell_jax/ffn.py), upcast for the softmax, as HF Llama does.
         logits = jnp.einsum("bsh,vh->bsv", x, head[...].astype(x.dtype))
         return logits.astype(jnp.float32), stats

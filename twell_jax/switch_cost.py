@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from twell_jax import model, synthetic
+from twell_jax import ffn, synthetic
 from twell_jax.config import TrainConfig
 
 FILE_NAME = "switch_cost.json"
@@ -101,8 +101,8 @@ def measure(shape: LayerShape, l0_grid=L0_GRID, reps: int = 10, warmup: int = 3)
       "sparse_ms", "ratio"}}, "ratio_geomean", "cutoff", "cutoffs" (per pattern),
       "max_regret" (`max_regret` at the cutoff)}.
     """
-    sparse = _step_fn(lambda x, w: model._ffn_sparse(x, w, shape.ell_width))
-    dense = _step_fn(model._ffn_dense_counted)
+    sparse = _step_fn(lambda x, w: ffn.sparse(x, w, shape.ell_width))
+    dense = _step_fn(ffn.dense_counted)
     grid = [g for g in l0_grid if g < shape.n / 4]
     per_pattern = {}
     for pattern in synthetic.PATTERNS:

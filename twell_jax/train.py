@@ -32,7 +32,8 @@ from jax.sharding import PartitionSpec as P
 
 from twell_jax import sparsity
 from twell_jax.config import ModelConfig, OptimConfig, TrainConfig
-from twell_jax.model import SPARSE_COUNTERS, Transformer
+from twell_jax.ffn import SPARSE_COUNTERS
+from twell_jax.model import Transformer
 from twell_jax.sharding import BATCH_AXES, batch_sharding, tree_shardings, with_mesh
 
 Batch = dict[str, jax.Array]

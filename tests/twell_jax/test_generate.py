@@ -11,9 +11,8 @@ from flax import nnx
 
 import pallas_kernels
 from tests.twell_jax.test_model import forward_fn, init_params, small_model
-from twell_jax import config, synthetic, train
+from twell_jax import config, ffn, synthetic, train
 from twell_jax import generate as G
-from twell_jax import model as M
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "hf_tiny"
 PROMPTS = [[3, 14, 15, 92, 65], [35, 89], [7, 9, 3, 2, 38, 46, 26]]
@@ -140,9 +139,8 @@ def test_ffn_modes_pick_the_prefill_and_decode_paths():
 
 def test_sparse_decode_gives_the_dense_tokens_on_a_sparse_model():
     """fp32, a tiny model whose gates are calibrated to ~24 of 512 positive per token
-    (as trained with L1): 64 greedy tokens per prompt through the decode path's
-    gathered rows equal the dense FFN's, and the gathered branch (not the dense
-    fallback) is what ran."""
+    (as trained with L1): 64 greedy tokens per prompt through the decode op equal the
+    dense FFN's, and the op (not its dense formula) ran on a sparse input."""
     params, l0 = synthetic.synthetic_sparse_params("tiny", 24.0, calib_tokens=(4, 128))
     assert 10 < float(np.mean(l0)) < 40
     params = jax.tree.map(lambda a: a.astype(jnp.float32), params)
@@ -151,15 +149,15 @@ def test_sparse_decode_gives_the_dense_tokens_on_a_sparse_model():
     dense = G.generate(cfg, params, prompts, 64, ffn="dense").new_token_ids
     sparse = G.generate(cfg, params, prompts, 64, ffn="sparse").new_token_ids
     assert sparse == dense and all(len(row) == 64 for row in dense)
-    # A decode step's FFN (B = 2 tokens: the prompts' last positions) takes a gathered
-    # branch in every layer, on the layer's real input.
+    # A decode step's FFN (B = 2 tokens: the prompts' last positions) runs the op, not
+    # its dense formula, in every layer, on the layer's real (sparse) input.
     model = nnx.merge(train.model_graphdef(cfg), params)
     ffn_in = model.ffn_inputs(jnp.asarray([prompts[0][-3:], prompts[1]]))  # [L, 2 * 3, H]
-    ffn = params["blocks"]["ffn"]
+    weights = params["blocks"]["ffn"]
     for layer in range(cfg.n_layers):
-        w = {k: ffn[k][layer] for k in ("w_gate", "w_up", "w_down")}
-        _, stats = M._ffn_decode(ffn_in[layer, 2::3], w)
-        assert int(stats["dense_fallback"]) == 0, layer
+        w = {k: weights[k][layer] for k in ("w_gate", "w_up", "w_down")}
+        _, stats = ffn.decode(ffn_in[layer, 2::3], w)
+        assert int(stats["dense_fallback"]) == 0 and float(stats["l0"]) < 64, layer
 
 
 def _record_twell_calls(monkeypatch) -> list:
@@ -167,7 +165,7 @@ def _record_twell_calls(monkeypatch) -> list:
 
     def stand_in(x, w_gate, w_up, w_down, **kw):
         calls.append(x.shape)
-        out, _ = M._ffn_dense(x, {"w_gate": w_gate, "w_up": w_up, "w_down": w_down}, "gated_relu")
+        out, _ = ffn.dense(x, {"w_gate": w_gate, "w_up": w_up, "w_down": w_down}, "gated_relu")
         zero = jnp.zeros((), jnp.int32)
         return out, pallas_kernels.TwellStats(jnp.zeros((), jnp.float32), zero, zero)
 

@@ -11,8 +11,8 @@ from flax import nnx
 
 import pallas_kernels
 from twell_jax import config as C
+from twell_jax import ffn, train
 from twell_jax import model as M
-from twell_jax import train
 
 # bf16 compute: twell vs dense logits may differ by a few bf16 ulps of the hidden
 # activations; relative to the logit scale that stays well under this.
@@ -106,7 +106,7 @@ def test_twell_matches_dense(variant):
 def _dense_stand_in(x, w_gate, w_up, w_down, *, config):
     """A differentiable stand-in for the sparse training op, scaled to be recognisable."""
     _STAND_IN_CONFIGS.append(config)
-    out, stats = M._ffn_dense_counted(x, {"w_gate": w_gate, "w_up": w_up, "w_down": w_down})
+    out, stats = ffn.dense_counted(x, {"w_gate": w_gate, "w_up": w_up, "w_down": w_down})
     return 2 * out, stats
 
 

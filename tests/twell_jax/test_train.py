@@ -125,6 +125,7 @@ _SHARDED = textwrap.dedent("""
 
     import pallas_kernels
     from tests.twell_jax.test_train import small_config, random_batch, one_step
+    from twell_jax import ffn
     from twell_jax import model as M
     from twell_jax import sharding, train
 
@@ -144,7 +145,7 @@ _SHARDED = textwrap.dedent("""
     # Kernel FFNs run per batch shard: a dense stand-in for the sparse op must give the
     # dense model's outputs and statistics, with counters summed over the 8 shards.
     def stand_in(x, w_gate, w_up, w_down, *, config):
-        out, stats = M._ffn_dense_counted(x, {"w_gate": w_gate, "w_up": w_up, "w_down": w_down})
+        out, stats = ffn.dense_counted(x, {"w_gate": w_gate, "w_up": w_up, "w_down": w_down})
         return out, {**stats, "tail_rows": jnp.ones((), jnp.int32)}
 
     pallas_kernels.sparse_gated_mlp_train = stand_in
