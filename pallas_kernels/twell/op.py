@@ -13,10 +13,13 @@ kernel packs it and also writes the tile counts. (Gated)T2D (§4.2, §4.3): a Tw
 SDDMM (gated only) and an H-blocked TwELL SpMM.
 
 Overflow policy (§4.4): a (row, tile) with more positives than its W - 1 slots keeps
-its true count in the format; the SpMM sees it and recomputes that tile from x and the
-dense weight rows, so the output is correct at any density. How many tiles took that
-path is reported in `TwellStats.overflow_tiles` (ask with return_stats=True). When it
-is a sizeable fraction, a smaller compression factor (C=4 or 2) is faster.
+its true count in the format. A row with such a tile is a heavy row: while a call's
+heavy rows fit the largest of a few static capacities (`heavy_rows`: M/128, M/32, M/8)
+they are cleared from the packed gate and computed by the dense formula on their
+gather; beyond that the SpMM sees the counts and recomputes each overflowed tile from x
+and the dense weight rows. Either way the output is correct at any density.
+`TwellStats.overflow_tiles` and `heavy_rows` say how much took those paths (ask with
+return_stats=True).
 
 Gradients: the ops are `custom_vjp`s whose backward is the dense MLP's, so they may
 sit inside a differentiated model; training should use the hybrid sparse op instead.
@@ -33,7 +36,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import _triton as tr
 from pallas_kernels.twell import format as fmt
-from pallas_kernels.twell import reference
+from pallas_kernels.twell import heavy_rows, reference
 from pallas_kernels.twell.config import PackConfig, T2DConfig
 from pallas_kernels.twell.pack import gate_then_pack
 from pallas_kernels.twell.t2d import shape_unsupported, t2d
@@ -46,12 +49,16 @@ class TwellStats(NamedTuple):
 
     nnz_per_row: fp32 mean number of positive gate entries per token (true count).
     max_tile_count: int32 largest count in any (row, tile).
-    overflow_tiles: int32 number of (row, tile) pairs past capacity, recomputed dense.
+    overflow_tiles: int32 number of (row, tile) pairs past capacity.
+    heavy_rows: int32 rows with a tile past capacity: computed by the dense formula in
+      a tail while they fit its largest bucket (`heavy_rows`), else recomputed tile by
+      tile inside the SpMM.
     """
 
     nnz_per_row: jax.Array
     max_tile_count: jax.Array
     overflow_tiles: jax.Array
+    heavy_rows: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +112,9 @@ def _sparse_forward(x, weights, opts: TwellOptions):
         interpret=interpret,
         with_counts=True,
     )
+    with jax.named_scope("twell_heavy_rows"):
+        bucket, rows, caps = heavy_rows.plan(counts, fmt.slots_per_tile(opts.compression))
+        packed = heavy_rows.clear(packed, rows)
     out = t2d(
         x,
         packed,
@@ -114,6 +124,10 @@ def _sparse_forward(x, weights, opts: TwellOptions):
         cfg=opts.t2d,
         interpret=interpret,
     )
+    with jax.named_scope("twell_dense_tail"):
+        out = heavy_rows.add_tail(
+            out, x, weights, bucket, rows, caps, high_precision=opts.high_precision
+        )
     return out, counts
 
 
@@ -145,6 +159,7 @@ def _stats(counts: jax.Array, m: int, slots: int) -> TwellStats:
         nnz_per_row=jnp.sum(counts, dtype=jnp.float32) / m,
         max_tile_count=jnp.max(counts, initial=0),
         overflow_tiles=jnp.sum(counts >= slots, dtype=jnp.int32),
+        heavy_rows=jnp.sum(heavy_rows.heavy(counts, slots), dtype=jnp.int32),
     )
 
 

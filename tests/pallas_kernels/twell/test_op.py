@@ -37,6 +37,46 @@ def test_gated_op_exact_with_leading_dims_and_stats(interpret, bias):
 
 
 @pytest.mark.parametrize("interpret", INTERPRET_AND_GPU)
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize(("n_heavy", "tail"), [(0, False), (3, True), (8, True), (12, False)])
+def test_heavy_rows_exact_in_the_tail_and_past_it(interpret, gated, n_heavy, tail):
+    """Rows whose gate fires everywhere among rows that fire almost nowhere, odd M = 63:
+    up to 8 heavy rows (the largest tail capacity at this M) take the dense tail, more
+    keep the in-kernel recompute; both exact."""
+    from pallas_kernels.twell import heavy_rows
+
+    assert heavy_rows.capacities(63) == (0, 8)
+    x, ws, wu, wd = integer_mlp(5, 63, 128, 512, 60.0)
+    x = x.at[jnp.arange(n_heavy) * 5, 0].set(-1.0)  # flips the -60 bias to +60
+    weights = (ws, wu, wd) if gated else (ws, wd)
+    op = pk.twell_gated_mlp if gated else pk.twell_mlp
+    out, stats = op(x, *weights, impl=_impl(interpret), return_stats=True)
+    want = reference.gated_mlp(x, *weights) if gated else reference.mlp(x, *weights)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
+    assert int(stats.heavy_rows) == n_heavy
+    assert int(stats.overflow_tiles) == 2 * n_heavy  # N = 512: two tiles per row
+    bucket, rows, _ = heavy_rows.plan(_tile_counts(x, ws), 32)  # C = 8: 32 slots
+    assert (int(bucket) == 1) == tail
+    if tail:
+        np.testing.assert_array_equal(np.asarray(rows)[:n_heavy], np.arange(n_heavy) * 5)
+
+
+def _tile_counts(x, w_sparse):
+    """int32 [N / 256, M]: true positives per (row, tile), as the pack writes them."""
+    gate = reference.hidden(x, w_sparse)
+    m, n = gate.shape
+    return jnp.sum((gate > 0).reshape(m, n // 256, 256), axis=-1, dtype=jnp.int32).T
+
+
+def test_heavy_row_capacities():
+    from pallas_kernels.twell import heavy_rows
+
+    assert heavy_rows.capacities(16384) == (0, 128, 512, 2048)
+    assert heavy_rows.capacities(5) == (0, 5)
+    assert heavy_rows.capacities(1000) == (0, 8, 32, 125)
+
+
+@pytest.mark.parametrize("interpret", INTERPRET_AND_GPU)
 @pytest.mark.parametrize("compression", [8, 2])
 def test_nongated_op_exact(interpret, compression):
     x, wu, _, wd = integer_mlp(1, 19, 128, 256, 8.0)
