@@ -123,6 +123,7 @@ def time_steps_interleaved(
     warmup: int = 2,
     reps: int = 10,
     clock: Clock = time.perf_counter,
+    meter=None,
 ) -> tuple[dict, dict, dict]:
     """`time_interleaved` for functions that carry a state: `state, aux = step(state, *args)`.
 
@@ -134,13 +135,18 @@ def time_steps_interleaved(
       steps: name -> callable returning (new state, aux).
       states: name -> that function's initial state (consumed if the step donates it).
       clock: returns seconds (tests pass a fake one).
+      meter: an object whose `joules()` returns cumulative joules (e.g.
+        `twell_jax.energy.EnergyMeter`); it is read just outside each timed call's
+        clock reads, so its own cost stays out of the times.
 
     Returns:
       (timing as `time_interleaved` returns it, name -> final state, name -> list of
-      the aux outputs of every call, warm-up first).
+      the aux outputs of every call, warm-up first). With a meter each name's timing
+      also has "joules_per_call" (the timed calls') and "joules" (their sum).
     """
     states = dict(states)
     auxes = {name: [] for name in steps}
+    joules = {name: [] for name in steps}
 
     def call(name):
         start = clock()
@@ -149,8 +155,18 @@ def time_steps_interleaved(
         auxes[name].append(aux)
         return (clock() - start) * 1e3
 
-    times = _rotate(list(steps), call, call, warmup, reps)
-    return _rotation_summary(times), states, auxes
+    def metered(name):
+        before = meter.joules()
+        ms = call(name)
+        joules[name].append(meter.joules() - before)
+        return ms
+
+    times = _rotate(list(steps), call, call if meter is None else metered, warmup, reps)
+    timing = _rotation_summary(times)
+    if meter is not None:
+        for name, js in joules.items():
+            timing[name].update(joules_per_call=js, joules=sum(js))
+    return timing, states, auxes
 
 
 def compiled_memory(lowered) -> dict:

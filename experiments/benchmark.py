@@ -7,14 +7,16 @@ kernel: the TwELL inference ops against the dense XLA MLP (gated and non-gated) 
 M in --tokens, H=2048, N=5632, with synthetic gates at --nnz non-zeros per row, plus a
 density sweep of the whole gated MLP (--sweep_nnz) for the crossover.
 tune: launch sweeps of the pack kernel, of the fused D2T baseline and of GatedT2D's
-SDDMM and SpMM, at the largest M.
+SDDMM and SpMM, at the largest M (experiments/benchmark_tune.py).
 train: the hybrid sparse training op's value_and_grad against dense XLA
 (experiments/benchmark_train.py), at M=--train_tokens; train_tune: its kernels' block
 options (compaction, row kernels, transposed SpMM).
 model: model-body forward throughput, twell against dense FFNs, on synthetic-sparsity
 weights (experiments/benchmark_model.py), and on trained checkpoints (--model_workdirs).
 train_model: whole training-step throughput (forward, backward, AdamW), sparse against
-dense FFNs, on the same synthetic-sparsity weights (experiments/benchmark_train_model.py).
+dense FFNs, on the same synthetic-sparsity weights (experiments/benchmark_train_model.py),
+or with --train_model_workdir on a pretrain checkpoint and its run's batches; --energy
+adds joules per token (NVML, twell_jax.energy).
 switch: where the per-layer switch puts its cutoff for each --model_presets layer shape
 at M=--train_tokens (`twell_jax.switch_cost.measure`: both branches on every pattern
 over an l0 grid) and how far from the faster branch it runs at worst.
@@ -26,8 +28,7 @@ against sparse FFNs (experiments/benchmark_generate.py).
 
 from __future__ import annotations
 
-import dataclasses
-import functools
+import contextlib
 import json
 import platform
 import sys
@@ -35,18 +36,16 @@ import time
 
 import jax
 import jax.numpy as jnp
-from absl import app, flags, logging
+from absl import app, flags
 
 from experiments import bench_util as bu
-from experiments import benchmark_train
+from experiments import benchmark_train, benchmark_tune, energy_flag
 from pallas_kernels import baselines, reference
-from pallas_kernels._gather import RowLaunch
 from pallas_kernels.sparse_train import SparseTrainConfig
 from pallas_kernels.twell import format as fmt
 from pallas_kernels.twell import op as twell_op
 from pallas_kernels.twell import pack as pack_mod
 from pallas_kernels.twell import t2d as t2d_mod
-from pallas_kernels.twell.config import PackConfig, T2DConfig
 from twell_jax.overrides import with_overrides
 from twell_jax.synthetic import PATTERNS, synthetic_mlp
 
@@ -78,6 +77,13 @@ flags.DEFINE_list(
     "train_model_set",
     [],
     "key=value ModelConfig overrides of --mode=train_model, e.g. sparse_ell_width=64.",
+)
+flags.DEFINE_string(
+    "train_model_workdir",
+    None,
+    "Pretrain workdir whose newest checkpoint --mode=train_model times instead of the "
+    "synthetic --model_presets, on the run's batches from --model_data_dir "
+    "(--train_model_batch sequences per step, the run's seq_len).",
 )
 flags.DEFINE_list("model_compressions", ["2", "8"], "TwELL compressions C of --mode=model.")
 flags.DEFINE_list(
@@ -276,68 +282,44 @@ def sweep_case(
     }
 
 
-def _ints(spec: str) -> tuple[int, ...]:
-    return tuple(int(v) for v in spec.split(","))
+def _energy_meter():
+    """An open `EnergyMeter` with --energy (exits naming what is missing), else a
+    context of None."""
+    if not energy_flag.ENERGY.value:
+        return contextlib.nullcontext()
+    from twell_jax import energy
+
+    try:
+        return energy.EnergyMeter()
+    except energy.EnergyUnavailableError as e:
+        raise SystemExit(f"--energy: {e}") from e
 
 
-def _t2d_launches(spec: str) -> T2DConfig:
-    """ "g,w,bh:g,w,bh" (SDDMM, SpMM) -> T2DConfig."""
-    parts = spec.split(":")
-    if len(parts) != 2 or any(len(_ints(p)) != 3 for p in parts):
-        raise ValueError(f"--tune_t2d_cfg {spec!r}: want <g,w,bh>:<g,w,bh>")
-    sddmm, spmm = (RowLaunch(*_ints(p)) for p in parts)
-    return T2DConfig(sddmm=sddmm, spmm=spmm)
+def _train_model(meter) -> list[dict]:
+    """--mode=train_model's records: the synthetic presets, or --train_model_workdir."""
+    from experiments import benchmark_train_model  # grain, as for --mode=model
 
-
-def _time_configs(kind: str, cfgs, make_fn, args, warmup: int, reps: int, inner: int) -> list[dict]:
-    """Median ms of `make_fn(cfg)(*args)` for each config; a failed compile is a result."""
-    rows = []
-    for cfg in cfgs:
-        try:
-            fn = jax.jit(make_fn(cfg))
-            t = bu.time_fn(fn, *args, warmup=warmup, reps=reps, inner=inner)["median_ms"]
-        except Exception as e:
-            t = None
-            logging.warning("%s %s failed: %s", kind, cfg, str(e)[:300])
-        rows.append({"cfg": dataclasses.asdict(cfg), "ms": t})
-        print(kind, rows[-1], flush=True)
-    return rows
-
-
-def tune(m: int, h: int, n: int, c: int, reps: int, warmup: int, inner: int) -> dict:
-    """Launches of the pack kernel, the fused D2T baseline and GatedT2D at ~29 nnz per row."""
-    x, wg, wu, wd = synthetic_mlp(m, h, n, 29, pattern=FLAGS.pattern, sigma=FLAGS.pattern_sigma)
-    gate = jax.jit(reference.hidden)
-    gemm_ms = bu.time_fn(gate, x, wg, warmup=warmup, reps=reps, inner=inner)["median_ms"]
-    timed = functools.partial(_time_configs, warmup=warmup, reps=reps, inner=inner)
-    d2t_rows = timed(
-        "d2t",
-        [baselines.D2TConfig(*_ints(spec)) for spec in FLAGS.tune_d2t_cfg],
-        lambda cfg: lambda x, w: baselines.d2t(x, w, compression=c, cfg=cfg),
-        (x, wg),
+    if FLAGS.train_model_workdir:
+        return [
+            benchmark_train_model.run_trained(
+                FLAGS.train_model_workdir,
+                FLAGS.model_data_dir or _default_data_dir(),
+                batch=FLAGS.train_model_batch,
+                reps=FLAGS.reps,
+                meter=meter,
+            )
+        ]
+    return benchmark_train_model.run(
+        presets=tuple(FLAGS.model_presets),
+        nnz=FLAGS.model_nnz,
+        batch=FLAGS.train_model_batch,
+        seq=FLAGS.model_seq,
+        reps=FLAGS.reps,
+        model_overrides=dict(kv.split("=", 1) for kv in FLAGS.train_model_set),
+        pattern=FLAGS.pattern,
+        sigma=FLAGS.pattern_sigma,
+        meter=meter,
     )
-    for row in d2t_rows:
-        row["over_gemm"] = row["ms"] and row["ms"] / gemm_ms
-    pack_rows = timed(
-        "pack",
-        [PackConfig(*_ints(spec)) for spec in FLAGS.tune_pack_cfg],
-        lambda cfg: lambda g: pack_mod.pack_tiles(g, compression=c, cfg=cfg),
-        (gate(x, wg),),
-    )
-    packed = jax.jit(lambda x, w: pack_mod.gate_then_pack(x, w, compression=c))(x, wg)
-    t2d_rows = timed(
-        "t2d",
-        [_t2d_launches(spec) for spec in FLAGS.tune_t2d_cfg],
-        lambda cfg: lambda x, p, a, b, d: t2d_mod.t2d(x, p, (a, b, d), compression=c, cfg=cfg),
-        (x, packed, wg, wu, wd),
-    )
-    return {
-        "M": m,
-        "gate_gemm_ms": gemm_ms,
-        "d2t": d2t_rows,
-        "pack": pack_rows,
-        "gated_t2d": t2d_rows,
-    }
 
 
 def main(argv):
@@ -361,6 +343,8 @@ def main(argv):
         raise app.UsageError(
             f"--pattern={FLAGS.pattern} is not implemented for --mode={FLAGS.mode}"
         )
+    if energy_flag.ENERGY.value and FLAGS.mode != "train_model":
+        raise app.UsageError("--energy is implemented for --mode=train_model only")
     if FLAGS.mode == "kernel":
         result["cases"] = []
         for m in tokens:
@@ -418,18 +402,10 @@ def main(argv):
                 reps=FLAGS.reps,
             )
     elif FLAGS.mode == "train_model":
-        from experiments import benchmark_train_model  # grain, as for --mode=model
-
-        result["cases"] = benchmark_train_model.run(
-            presets=tuple(FLAGS.model_presets),
-            nnz=FLAGS.model_nnz,
-            batch=FLAGS.train_model_batch,
-            seq=FLAGS.model_seq,
-            reps=FLAGS.reps,
-            model_overrides=dict(kv.split("=", 1) for kv in FLAGS.train_model_set),
-            pattern=FLAGS.pattern,
-            sigma=FLAGS.pattern_sigma,
-        )
+        with _energy_meter() as meter:
+            result["cases"] = _train_model(meter)
+            if meter:
+                result["energy"] = meter.describe()
     elif FLAGS.mode == "switch":
         from twell_jax import config as config_lib
         from twell_jax import switch_cost
@@ -482,7 +458,15 @@ def main(argv):
     elif FLAGS.mode == "train_tune":
         result["tune"] = benchmark_train.tune(M=FLAGS.train_tokens, H=h, N=n)
     else:
-        result["tune"] = tune(max(tokens), *args)
+        result["tune"] = benchmark_tune.tune(
+            max(tokens),
+            *args,
+            d2t_specs=FLAGS.tune_d2t_cfg,
+            pack_specs=FLAGS.tune_pack_cfg,
+            t2d_specs=FLAGS.tune_t2d_cfg,
+            pattern=FLAGS.pattern,
+            sigma=FLAGS.pattern_sigma,
+        )
     if FLAGS.out:
         with open(FLAGS.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -21,19 +21,27 @@ l0 at the first and the last step of both chains.
 
 One step is one micro-batch of `batch` x `seq` tokens (the paper's per-GPU micro-batch
 is 8 x 2048, with gradient checkpointing, as in the presets).
+
+`run_trained` times the same two steps on a pretrain checkpoint's weights and the
+run's own batches instead (`--train_model_workdir`). With an energy meter
+(`twell_jax.energy.EnergyMeter`, `--energy`) each record also gives the joules per token
+of each chain over its timed steps.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from experiments import bench_util as bu
-from twell_jax import sharding, train
+from experiments import pretrain_run
+from twell_jax import corpus, input_pipeline, sharding, train
 from twell_jax.config import OptimConfig, SparsityConfig, TrainConfig, model_preset
 from twell_jax.overrides import with_overrides
 from twell_jax.synthetic import synthetic_sparse_params
@@ -76,11 +84,13 @@ def _batch(vocab: int, batch: int, seq: int, mesh) -> dict[str, jax.Array]:
 
 
 def _record(metrics: dict[str, list], timing: dict, n_tokens: int) -> dict:
-    """Times, throughput, sparsity drift and first-step agreement of the two chains."""
-    first = {impl: train.host_metrics(metrics[impl][0]) for impl in IMPLS}
-    last = {impl: train.host_metrics(metrics[impl][-1]) for impl in IMPLS}
+    """Times, throughput, sparsity drift and first-step agreement of the two chains;
+    l0 per layer (mean over all calls) and, with a meter's readings, energy."""
+    calls = {impl: [train.host_metrics(m) for m in metrics[impl]] for impl in IMPLS}
+    first = {impl: calls[impl][0] for impl in IMPLS}
+    last = {impl: calls[impl][-1] for impl in IMPLS}
     dense_ms, sparse_ms = (timing[impl]["median_ms"] for impl in IMPLS)
-    sparse_calls = [train.host_metrics(m) for m in metrics["sparse"]]
+    sparse_calls = calls["sparse"]
     rec = {
         "tokens": n_tokens,
         "dense_ms": dense_ms,
@@ -105,7 +115,49 @@ def _record(metrics: dict[str, list], timing: dict, n_tokens: int) -> dict:
         rec[f"{impl}_p10_p90_ms"] = [timing[impl]["p10_ms"], timing[impl]["p90_ms"]]
         rec[f"{impl}_l0_first"] = float(np.mean(first[impl]["l0"]))
         rec[f"{impl}_l0_last"] = float(np.mean(last[impl]["l0"]))
+        per_layer = np.mean([c["l0"] for c in calls[impl]], axis=0)
+        rec[f"{impl}_l0_per_layer"] = [float(v) for v in per_layer]
+    return {**rec, **_energy_fields(timing, n_tokens)}
+
+
+def _energy_fields(timing: dict, n_tokens: int) -> dict:
+    """Joules per token and mean watts of each chain over its timed steps, and the
+    ratio dense / sparse of joules per token; {} when no meter was read."""
+    if "joules" not in timing["dense"]:
+        return {}
+    rec = {}
+    for impl in IMPLS:
+        t = timing[impl]
+        rec[f"{impl}_joules_per_token"] = t["joules"] / (t["reps"] * n_tokens)
+        rec[f"{impl}_watts"] = t["joules"] / (sum(t["times_ms"]) / 1e3)
+    rec["energy_ratio"] = rec["dense_joules_per_token"] / rec["sparse_joules_per_token"]
     return rec
+
+
+def _cycling(step: Callable, batches: list) -> Callable:
+    """`step(state, batch)` as `step(state)`: its k-th call takes batches[k % len]."""
+    batch = itertools.cycle(batches)
+    return lambda state: step(state, next(batch))
+
+
+def _time_chains(steps: dict, states: dict, batches: list, warmup: int, reps: int, meter) -> dict:
+    """Compiled memory, then the two chains in rotation over `batches` (both take the
+    same batch at the same call); `_record` of the result plus each step's memory."""
+    memory = {
+        impl: bu.compiled_memory(steps[impl].lower(states[impl], batches[0])) for impl in IMPLS
+    }
+    timing, _, metrics = bu.time_steps_interleaved(
+        {impl: _cycling(steps[impl], batches) for impl in IMPLS},
+        states,
+        warmup=warmup,
+        reps=reps,
+        meter=meter,
+    )
+    n_tokens = int(batches[0]["inputs"].size)
+    return {
+        **_record(metrics, timing, n_tokens),
+        **{f"{impl}_memory": memory[impl] for impl in IMPLS},
+    }
 
 
 def run(
@@ -119,6 +171,7 @@ def run(
     model_overrides: dict | None = None,
     pattern: str = "uniform",
     sigma: float = 1.0,
+    meter=None,
 ) -> list[dict]:
     """Training-step tokens/ms of each preset, dense and sparse FFNs, same start.
 
@@ -131,6 +184,7 @@ def run(
       model_overrides: ModelConfig field -> value (strings are parsed) for both
         chains, e.g. {"sparse_ell_width": "64"}.
       pattern, sigma: "uniform" or "skew" gate thresholds (`synthetic_sparse_params`).
+      meter: an `EnergyMeter` (or anything with `joules()`), read around each timed step.
 
     Returns:
       one record per preset (see `_record`), also printed as it completes.
@@ -147,12 +201,7 @@ def run(
             steps[impl], states[impl] = train_step_and_state(cfg, mesh, params)
         del params
         tokens = _batch(cfg.model.vocab_size, batch, seq, mesh)
-        memory = {
-            impl: bu.compiled_memory(steps[impl].lower(states[impl], tokens)) for impl in IMPLS
-        }
-        timing, states, metrics = bu.time_steps_interleaved(
-            steps, states, tokens, warmup=warmup, reps=reps
-        )
+        measured = _time_chains(steps, states, [tokens], warmup, reps, meter)
         del states
         records.append(
             {
@@ -165,9 +214,93 @@ def run(
                 "l1_coef": l1_coef,
                 "model_overrides": dict(model_overrides or {}),
                 "calibration_l0_mean": float(calib_l0.mean()),
-                **_record(metrics, timing, batch * seq),
-                **{f"{impl}_memory": memory[impl] for impl in IMPLS},
+                **measured,
             }
         )
         print(records[-1], flush=True)
     return records
+
+
+def _trained_config(run_cfg: TrainConfig, impl: str, batch: int) -> TrainConfig:
+    """The run's config for one timed chain: `impl` FFNs, one micro-batch of `batch`
+    sequences per step, lr FROZEN_LR, the run's lambda from the first step, no dead-row
+    re-init, and (sparse) a switch cutoff above d_ff, so every layer stays sparse."""
+    sp = run_cfg.sparsity
+    return dataclasses.replace(
+        run_cfg,
+        model=dataclasses.replace(run_cfg.model, ffn_impl=impl),
+        batch_size=batch,
+        optim=dataclasses.replace(run_cfg.optim, lr=FROZEN_LR, warmup_steps=0, grad_accum_steps=1),
+        sparsity=dataclasses.replace(
+            sp,
+            l1_warmup_steps=0,
+            reinit_dead_every=0,
+            sparse_l0_cutoff=float(run_cfg.model.d_ff + 1),
+        ),
+    )
+
+
+def run_trained(
+    workdir: str | Path,
+    data_dir: str | Path,
+    batch: int = 8,
+    reps: int = 10,
+    warmup: int = 2,
+    meter=None,
+) -> dict:
+    """Training-step tokens/ms of a pretrain checkpoint, dense and sparse FFNs, on its data.
+
+    The weights (fp32 masters) and the config are the newest checkpoint's
+    (`pretrain_run.load_params`); the steps are the run's model at its seq_len, each
+    chain from a fresh AdamW state (`_trained_config`: the weights and l0 stay the
+    checkpoint's). The batches are the first `warmup + reps` batches of `batch`
+    sequences of the run's training pipeline over `data_dir` (its seed): call k of
+    each chain takes batch k, so both chains step the same real tokens.
+
+    Returns:
+      the `_record` fields (l0 per layer included) and each step's memory, plus the
+      workdir, its step, the run's l1_coef and ffn_impl, and how many layers the run's
+      own l0 cutoff would have kept on the sparse kernels at the sparse chain's l0.
+
+    Raises:
+      FileNotFoundError: `workdir` has no checkpoint, or `data_dir` is not a corpus.
+      ValueError: the corpus's token ids do not fit the model's vocabulary.
+    """
+    run_cfg, params, step = pretrain_run.load_params(workdir)
+    tok = corpus.load_meta(data_dir)["tokenizer"]
+    if tok["vocab_size"] > run_cfg.model.vocab_size:
+        raise ValueError(
+            f"{data_dir}: {tok['vocab_size']} token ids, but the run's model has "
+            f"vocab_size={run_cfg.model.vocab_size}: not the run's corpus"
+        )
+    mesh = sharding.make_mesh()
+    data_cfg = input_pipeline.DataConfig(
+        str(data_dir), seq_len=run_cfg.model.seq_len, batch_size=batch, seed=run_cfg.seed
+    )
+    train_iter = input_pipeline.make_train_iterator(data_cfg)
+    placement = sharding.batch_sharding(mesh)
+    batches = [jax.device_put(next(train_iter), placement) for _ in range(warmup + reps)]
+    steps, states = {}, {}
+    for impl in IMPLS:
+        steps[impl], states[impl] = train_step_and_state(
+            _trained_config(run_cfg, impl, batch), mesh, params
+        )
+    del params
+    measured = _time_chains(steps, states, batches, warmup, reps, meter)
+    del states
+    cutoff = run_cfg.sparsity.sparse_l0_cutoff
+    record = {
+        "workdir": str(workdir),
+        "step": step,
+        "data_dir": str(data_dir),
+        "batch": batch,
+        "seq": run_cfg.model.seq_len,
+        "batches": len(batches),
+        "run_ffn_impl": run_cfg.model.ffn_impl,
+        "l1_coef": run_cfg.sparsity.l1_coef,
+        "run_l0_cutoff": cutoff,
+        "run_cutoff_sparse_layers": sum(v < cutoff for v in measured["sparse_l0_per_layer"]),
+        **measured,
+    }
+    print(record, flush=True)
+    return record

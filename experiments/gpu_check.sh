@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the GPU test suite, then the benchmarks.
-#   bash experiments/gpu_check.sh [tests|kernel|train|model|train_model|patterns|switch|captured|decode|train_memory|tune|train_tune|memory|quality|l1sweep|all]...
+#   bash experiments/gpu_check.sh [tests|kernel|train|model|train_model|energy|patterns|switch|captured|decode|train_memory|tune|train_tune|memory|quality|l1sweep|all]...
 # Results (JSON and logs) go to $OUT when set, else results/ (README.md, "Reproduce").
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -32,6 +32,15 @@ for what in "${@:-all}"; do
     train_model) python3 -m experiments.benchmark --mode=train_model --reps=8 \
                    --model_presets="${TRAIN_MODEL_PRESETS:-2b,1.5b}" \
                    --out="$OUT/train_model_h200.json" || status=1 ;;
+    energy)  # joules per token of the training step (NVML); TRAIN_MODEL_WORKDIR: also a run's
+      python3 -m experiments.benchmark --mode=train_model --reps=8 --energy \
+        --model_presets="${TRAIN_MODEL_PRESETS:-2b,1.5b}" \
+        --out="$OUT/train_model_energy_h200.json" || status=1
+      if [ -n "${TRAIN_MODEL_WORKDIR:-}" ]; then
+        python3 -m experiments.benchmark --mode=train_model --reps=8 --energy \
+          --train_model_workdir="$TRAIN_MODEL_WORKDIR" \
+          --out="$OUT/train_model_trained_h200.json" || status=1
+      fi ;;
     patterns)  # the training op and the 2B training step on each activation pattern
       for p in uniform skew heavy_rows; do
         sigma=1.0; [ "$p" = heavy_rows ] && sigma=0.35

@@ -40,11 +40,16 @@ skipped instead (the jitted step keeps the parameters and optimizer state; its b
 consumed), logged and counted (`skipped_steps` in metrics.jsonl, kept across resumes);
 the (K+1)-th stops the run as above.
 
+Energy: --energy adds the joules per token and mean watts of each logging interval
+(its steady train time, as tokens/s) to the progress line and metrics.jsonl, read
+through NVML over the visible GPUs (`twell_jax.energy`; pip install '.[energy]').
+
 Exit codes:
   0    done (--steps or --stop_at reached, or nothing left to do)
   1    a bad flag or --set value (the message names the field), an --init_from_hf
        directory that is missing, unreadable or at odds with the flags or the corpus
-       (one line), or an unexpected error (traceback)
+       (one line), --energy where NVML cannot measure (one line), or an unexpected
+       error (traceback)
   2    refused: the workdir is locked by another run, or the checkpoint's config differs
        (the message lists the fields), or checkpoints exist with --noresume, or the
        resume would change the schedule (--steps) without --allow_schedule_change, or go
@@ -83,7 +88,8 @@ from typing import Any
 import jax
 from absl import app, flags, logging
 
-from twell_jax import checkpoint, corpus, overrides, run_guards, step_memory, trainer
+from experiments import energy_flag
+from twell_jax import checkpoint, corpus, energy, overrides, run_guards, step_memory, trainer
 from twell_jax import config as config_lib
 from twell_jax.hf import init as hf_init
 
@@ -291,6 +297,7 @@ def main(argv):
         allow_schedule_change=_ALLOW_SCHEDULE_CHANGE.value,
         skip_nonfinite=_SKIP_NONFINITE.value,
         init_from_hf=init_from_hf,
+        energy=energy_flag.ENERGY.value,
         plot_title=(
             f"{origin}: {cfg.model.ffn_variant}/{cfg.model.ffn_impl}, "
             f"L1 {sp.l1_coef:g} (warmup {sp.l1_warmup_steps})"
@@ -304,6 +311,9 @@ def main(argv):
     except run_guards.DivergenceError as e:
         logging.error("diverged: %s", e)
         return EXIT_DIVERGED
+    except energy.EnergyUnavailableError as e:
+        logging.error("--energy: %s", e)
+        return 1  # a flag this machine cannot serve
     logging.info("summary: %s", json.dumps(summary))
     if summary["interrupted"]:
         return 128 + signal.Signals[summary["signal"]].value

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 
 def _also(case: dict, key: str, label: str) -> str:
@@ -91,19 +92,36 @@ def _temp_gb(case: dict) -> str:
     return "-" if None in mem else " / ".join(f"{b / 1e9:.1f}" for b in mem)
 
 
+def _train_model_name(c: dict) -> str:
+    """The preset, or for a checkpoint's record (--train_model_workdir) its run and step."""
+    return c.get("preset") or f"{Path(c['workdir']).name} step {c['step']}"
+
+
+def _energy_cells(c: dict) -> str:
+    """ "mJ/token dense / sparse | dense / sparse" cells of a --energy record."""
+    mj = [1e3 * c[f"{impl}_joules_per_token"] for impl in ("dense", "sparse")]
+    return f" {mj[0]:.3g} / {mj[1]:.3g} | {c['energy_ratio']:.3f}x |"
+
+
 def train_model_table(res: dict) -> str:
+    energy = "energy" in res  # --energy: two more columns
     head = (
         "| model | tokens/step | l0 dense / sparse (first -> last step) | dense tokens/ms "
         "| sparse tokens/ms | change | first loss dense / sparse | tail rows, fallbacks "
-        "| temp GB sparse / dense |\n|---|---|---|---|---|---|---|---|---|\n"
+        "| temp GB sparse / dense |"
+        + (" mJ/token dense / sparse | energy dense / sparse |" if energy else "")
+        + "\n|---|---|---|---|---|---|---|---|---|"
+        + ("---|---|" if energy else "")
+        + "\n"
     )
     rows = [
-        f"| {c['preset']} | {c['tokens']} | {c['dense_l0_first']:.1f} -> "
+        f"| {_train_model_name(c)} | {c['tokens']} | {c['dense_l0_first']:.1f} -> "
         f"{c['dense_l0_last']:.1f} / {c['sparse_l0_first']:.1f} -> {c['sparse_l0_last']:.1f} | "
         f"{c['dense_tokens_per_ms']:.1f} | {c['sparse_tokens_per_ms']:.1f} | "
         f"**{100 * (c['speedup'] - 1):+.1f}%** | "
         f"{c['first_loss_dense']:.4f} / {c['first_loss_sparse']:.4f} | "
         f"{c['tail_rows_total']}, {c['dense_fallback_total']} | {_temp_gb(c)} |"
+        + (_energy_cells(c) if energy else "")
         for c in res["cases"]
     ]
     return head + "\n".join(rows)

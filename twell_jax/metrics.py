@@ -10,7 +10,9 @@ Record keys: `step`, `kind` ("train" or "eval"); train records carry the scalars
 train step (loss, ce, l1_loss, l1_coef, grad_norm, lr), the per-layer lists l1, l0,
 sparsity, alive, use_sparse (and the sparse overflow counters), their layer means
 `l0_mean`, `sparsity_mean`, `alive_mean`, `tokens_per_s`, and the run's count of skipped
-non-finite steps so far `skipped_steps` (the trainer adds it); eval records carry `val_ce`.
+non-finite steps so far `skipped_steps` (the trainer adds it); with an energy meter
+(`--energy`) also `joules_per_token` and `watts` (`energy_fields`); eval records carry
+`val_ce`.
 """
 
 from __future__ import annotations
@@ -78,6 +80,14 @@ def reduce_interval(
     return record
 
 
+def energy_fields(joules: float | None, seconds: float, tokens: int) -> dict[str, float]:
+    """{"joules_per_token", "watts"} of an interval that drew `joules` over `seconds`
+    and trained `tokens` tokens; {} without a reading (None) or without tokens."""
+    if joules is None or tokens <= 0 or seconds <= 0:
+        return {}
+    return {"joules_per_token": joules / tokens, "watts": joules / seconds}
+
+
 def format_train_line(record: Mapping[str, Any], total_steps: int, d_ff: int) -> str:
     """One human-readable progress line of a train record.
 
@@ -93,6 +103,8 @@ def format_train_line(record: Mapping[str, Any], total_steps: int, d_ff: int) ->
         f"alive {100 * record['alive_mean']:.1f}%  "
         f"tok/s {'-' if tps is None else f'{tps:,.0f}'}  lr {record['lr']:.3e}"
     )
+    if "joules_per_token" in record:
+        line += f"  mJ/tok {1e3 * record['joules_per_token']:.3g} ({record['watts']:.0f} W)"
     if record.get("skipped_steps"):
         line += f"  skipped {record['skipped_steps']}"
     if all(k in record for k in SUM_KEYS):  # ffn_impl="sparse": overflow is never silent

@@ -10,7 +10,9 @@ apart (`RunTimer.compiled`) and left out of both estimates:
   over the steps, as they will be over the rest of the run.
 
 Every time comes from an injectable clock (seconds, like `time.perf_counter`), so tests
-drive it by hand.
+drive it by hand. An optional energy reader (cumulative joules, e.g.
+`twell_jax.energy.EnergyMeter.joules`) is read wherever the clock is, so an interval's
+joules cover the same steady train time as its seconds.
 """
 
 from __future__ import annotations
@@ -18,9 +20,19 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 # Seconds since an arbitrary origin, like `time.perf_counter`.
 Clock = Callable[[], float]
+
+
+class Interval(NamedTuple):
+    """One log interval: steady steps, their train seconds, and their joules (None
+    without an energy reader)."""
+
+    steps: int
+    seconds: float
+    joules: float | None = None
 
 
 def format_duration(seconds: float) -> str:
@@ -38,13 +50,21 @@ class RunTimer:
 
     The loop calls `compiled(step)` after its first step, `count_step()` after every
     other step and `interval()` at each log line; `excluded()` wraps work that is not
-    training (evaluation).
+    training (evaluation). `energy`, if given, returns cumulative joules.
     """
 
-    def __init__(self, total_steps: int, clock: Clock = time.perf_counter):
+    def __init__(
+        self,
+        total_steps: int,
+        clock: Clock = time.perf_counter,
+        energy: Callable[[], float] | None = None,
+    ):
         self._clock = clock
+        self._energy = energy or (lambda: 0.0)
+        self._has_energy = energy is not None
         self._total = total_steps
         self._start = self._interval_start = clock()
+        self._interval_joules = self._energy()
         self._interval_steps = 0
         self._steady: tuple[float, int] | None = None  # (time, step) at the compile's end
 
@@ -54,27 +74,35 @@ class RunTimer:
         seconds = now - self._interval_start
         self._steady = (now, step)
         self._interval_start, self._interval_steps = now, 0
+        self._interval_joules = self._energy()
         return seconds
 
     def count_step(self) -> None:
         """Counts one steady step of the current interval."""
         self._interval_steps += 1
 
-    def interval(self) -> tuple[int, float]:
-        """(steady steps, their train seconds) since the last call or the compile; restarts."""
-        now = self._clock()
-        out = (self._interval_steps, now - self._interval_start)
+    def interval(self) -> Interval:
+        """The steady steps since the last call or the compile, their train seconds and
+        joules; restarts."""
+        now, joules = self._clock(), self._energy()
+        out = Interval(
+            self._interval_steps,
+            now - self._interval_start,
+            joules - self._interval_joules if self._has_energy else None,
+        )
         self._interval_start, self._interval_steps = now, 0
+        self._interval_joules = joules
         return out
 
     @contextlib.contextmanager
     def excluded(self) -> Iterator[None]:
-        """Leaves the time spent inside out of the interval's train time (not the ETA's)."""
-        t0 = self._clock()
+        """Leaves the time and energy spent inside out of the interval's (not the ETA's)."""
+        t0, j0 = self._clock(), self._energy()
         try:
             yield
         finally:
             self._interval_start += self._clock() - t0
+            self._interval_joules += self._energy() - j0
 
     def elapsed(self) -> float:
         """Seconds since the timer started (compile, evaluations and saves included)."""

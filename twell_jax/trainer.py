@@ -48,6 +48,7 @@ from absl import logging
 from twell_jax import (
     checkpoint,
     corpus,
+    energy,
     input_pipeline,
     metrics,
     progress,
@@ -109,6 +110,9 @@ class RunOptions:
         schedule falls behind by one). 0: stop at the first.
       init_from_hf: an HF Llama directory whose weights start a run without checkpoints
         (`twell_jax.hf.init`; cfg has its architecture); a resume does not read it.
+      energy: measure the GPUs' energy (`twell_jax.energy.EnergyMeter` over the visible
+        GPUs) and log joules per token of each interval (`metrics.energy_fields`; per
+        token of this process's share of the batch).
     """
 
     workdir: str
@@ -120,6 +124,7 @@ class RunOptions:
     allow_schedule_change: bool = False
     skip_nonfinite: int = 0
     init_from_hf: str | None = None
+    energy: bool = False
 
 
 def _global_batch(local: dict[str, np.ndarray], placement, global_rows: int) -> dict:
@@ -233,6 +238,7 @@ def run(
       DivergenceError: a non-finite loss, gradient norm or state; nothing was saved
         after the last good step.
       FileNotFoundError: `opts.data_dir` is not a prepared corpus.
+      EnergyUnavailableError: `opts.energy` where NVML cannot measure (a RuntimeError).
     """
     with StopRequest() as stop:
         logging.info("run %s: Ctrl-C / SIGTERM saves a checkpoint and exits", opts.workdir)
@@ -292,12 +298,18 @@ class _Trainer:
         self.ckpt = checkpoint.Checkpointer(
             self.workdir / CHECKPOINT_DIR, max_to_keep=opts.max_to_keep
         )
-        self.writer = None
+        self.writer = self.meter = None
         try:
+            # Before the resume's writes: a run that cannot measure energy stops here.
+            self.meter = energy.EnergyMeter() if opts.energy else None
             self.state, self.skipped = _restore_or_init(cfg, mesh, self.ckpt, self.train_iter, opts)
         except BaseException:
             self.ckpt.close()  # `run` never gets a trainer to close
+            if self.meter:
+                self.meter.close()
             raise
+        if self.meter:
+            logging.info("energy: %s", self.meter.describe())
         # The resume is accepted: only now write into the workdir.
         if self.lead:
             config_json = json.dumps(config_to_dict(cfg), indent=2) + "\n"
@@ -320,7 +332,8 @@ class _Trainer:
         """Runs the loop to the end, `stop_at` or a stop request; saves; returns the summary."""
         cfg, total = self.cfg, self.cfg.optim.total_steps
         pending: list[tuple[int, dict[str, jax.Array]]] = []
-        timer, compiled = progress.RunTimer(total, clock=self.clock), False
+        joules = self.meter.joules if self.meter else None
+        timer, compiled = progress.RunTimer(total, clock=self.clock, energy=joules), False
         while self.step < total:
             batch = _global_batch(next(self.train_iter), self.placement, cfg.batch_size)
             self.state, step_metrics = self.train_step(self.state, batch)
@@ -340,10 +353,9 @@ class _Trainer:
             if log_now:
                 # Dispatch is asynchronous: wait for the device before reading the clock.
                 jax.block_until_ready(step_metrics)
-                steps, seconds = timer.interval()
+                interval = timer.interval()
                 self._check_finite()
-                tokens_per_s = steps * cfg.tokens_per_step / seconds if steps else None
-                self._log(pending, tokens_per_s, timer.text(self.step))
+                self._log(pending, interval, timer.text(self.step))
                 pending = []
             if self.evaluate.enabled and (self.step % cfg.eval_every == 0 or self.step == total):
                 jax.block_until_ready(self.state.step)  # pending train steps are train time
@@ -369,7 +381,7 @@ class _Trainer:
     def _log(
         self,
         pending: list[tuple[int, dict[str, jax.Array]]],
-        tokens_per_s: float | None,
+        interval: progress.Interval,
         timing: str,
     ) -> None:
         """Reduces the interval's metrics, prints them with `timing` and records them.
@@ -379,7 +391,12 @@ class _Trainer:
         kept = [m for step, m in pending if step not in self.skipped_unlogged]
         self.skipped_unlogged.clear()
         host = [train.host_metrics(m) for m in kept or [m for _, m in pending]]
+        tokens = interval.steps * self.cfg.tokens_per_step
+        tokens_per_s = tokens / interval.seconds if interval.steps else None
         record = metrics.reduce_interval(host, self.step, tokens_per_s)
+        # Each process meters its own GPUs, which train its share of the tokens.
+        tokens_here = tokens // jax.process_count()
+        record.update(metrics.energy_fields(interval.joules, interval.seconds, tokens_here))
         record[SKIPPED_KEY] = self.skipped
         line = metrics.format_train_line(record, self.cfg.optim.total_steps, self.cfg.model.d_ff)
         logging.info("%s  %s", line, timing)
@@ -463,6 +480,8 @@ class _Trainer:
     def close(self) -> None:
         """Waits for pending saves; final plot (also after an error: the history so far)."""
         self.ckpt.close()
+        if self.meter:
+            self.meter.close()
         if self.writer:
             self._plot()
             self.writer.close()

@@ -84,6 +84,37 @@ def test_time_steps_interleaved_carries_each_state_chain():
     assert timing["ratios"]["slow/fast"] == pytest.approx(4.0)
 
 
+def test_time_steps_interleaved_meters_only_the_timed_calls():
+    """A fake meter drawing 1 J per ms of the slow step and 0.5 J per ms of the fast one."""
+    clock = FakeClock()
+
+    class Meter:
+        total = 0.0
+
+        def joules(self):
+            return self.total
+
+    meter = Meter()
+
+    def stepper(seconds, joules_per_ms):
+        def step(state):
+            clock.advance(seconds)
+            meter.total += joules_per_ms * seconds * 1e3
+            return state + 1, {}
+
+        return step
+
+    steps = {"slow": stepper(0.004, 1.0), "fast": stepper(0.001, 0.5)}
+    timing, _, _ = bu.time_steps_interleaved(
+        steps, {"slow": 0, "fast": 0}, warmup=2, reps=3, clock=clock, meter=meter
+    )
+    assert timing["slow"]["joules_per_call"] == pytest.approx([4.0] * 3)  # no warm-up call
+    assert timing["slow"]["joules"] == pytest.approx(12.0)
+    assert timing["fast"]["joules"] == pytest.approx(1.5)
+    plain, _, _ = bu.time_steps_interleaved(steps, {"slow": 0, "fast": 0}, reps=2, clock=clock)
+    assert "joules" not in plain["slow"]
+
+
 def test_time_fn_reports_per_call_time_of_inner_batches():
     clock, calls = FakeClock(), []
 

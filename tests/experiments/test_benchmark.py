@@ -46,6 +46,8 @@ def test_train_model_benchmark_cli_on_cpu(tmp_path):
     assert rec["sparse_layers_last"] == 4  # the tiny preset's layers, all sparse
     assert rec["dense_fallback_total"] == 0
     assert rec["speedup"] == pytest.approx(rec["dense_ms"] / rec["sparse_ms"])
+    assert "energy" not in res and "dense_joules_per_token" not in rec  # no --energy
+    assert len(rec["sparse_l0_per_layer"]) == 4
     table = results_table.train_model_table(res)
     assert "| tiny | 256 |" in table and table.count("\n") == 2
 

@@ -65,3 +65,23 @@ def test_train_line_counts_skipped_steps_only_when_there_are_some():
     assert metrics.format_train_line({**record, "skipped_steps": 2}, 10, 300).endswith(
         "  skipped 2"
     )
+
+
+def test_energy_fields_and_their_place_in_the_train_line():
+    assert metrics.energy_fields(None, 2.0, 100) == {}  # no meter
+    assert metrics.energy_fields(5.0, 2.0, 0) == {}  # an interval of only the compile
+    fields = metrics.energy_fields(6.0, 2.0, 400)
+    assert fields == {"joules_per_token": 0.015, "watts": 3.0}
+    record = {
+        "step": 7,
+        "loss": 2.5,
+        "ce": 2.4,
+        "l1_loss": 0.1,
+        "l0_mean": 30.0,
+        "sparsity_mean": 0.9,
+        "alive_mean": 1.0,
+        "lr": 1e-3,
+    }
+    assert "mJ/tok" not in metrics.format_train_line(record, 10, 300)
+    line = metrics.format_train_line({**record, **fields}, 10, 300)
+    assert "  mJ/tok 15 (3 W)" in line

@@ -8,13 +8,15 @@ import dataclasses
 import json
 import logging
 import shutil
+import sys
 
 import jax
 import numpy as np
 import pytest
 
 from tests.corpora import prepare_byte_corpus, write_text_corpus
-from twell_jax import checkpoint, metrics, run_guards, step_memory, trainer
+from tests.fake_pynvml import FakeNvml
+from twell_jax import checkpoint, energy, metrics, run_guards, step_memory, trainer
 from twell_jax import config as C
 
 
@@ -211,3 +213,37 @@ def test_allowed_schedule_change_continues_on_the_new_schedule(tmp_path, finishe
     opts = trainer.RunOptions(str(workdir), data_dir, allow_schedule_change=True)
     assert trainer.run(tiny_config(steps=3), opts)["step"] == 3
     assert json.loads((workdir / trainer.CONFIG_FILE).read_text())["optim"]["total_steps"] == 3
+
+
+# --- energy per token ------------------------------------------------------------------
+
+
+def test_energy_is_logged_per_interval_and_a_missing_meter_stops_before_writes(
+    tmp_path, data_dir, monkeypatch
+):
+    """A fake NVML board at 250 W: every interval after the compiling step records its
+    joules per token, and the power they imply is the board's."""
+    fake = FakeNvml(watts=250.0)
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # the fake's one board
+    workdir = tmp_path / "run"
+    opts = trainer.RunOptions(str(workdir), data_dir, energy=True)
+    cfg = tiny_config(steps=3)
+    trainer.run(cfg, opts)
+    records = [r for r in metrics.read_metrics(workdir / "metrics.jsonl") if r["kind"] == "train"]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert "joules_per_token" not in records[0]  # the compile step is no interval's
+    for r in records[1:]:
+        # Steps of a few ms: a thread switch between the clock's and the meter's reads
+        # shows at this scale (not at a GPU step's), hence the tolerance.
+        assert r["watts"] == pytest.approx(250.0, rel=0.1)
+        joules_per_s = r["joules_per_token"] * r["tokens_per_s"]
+        assert joules_per_s == pytest.approx(r["watts"], rel=1e-6)  # the same seconds
+    assert fake.calls["init"] == fake.calls["shutdown"] == 1  # closed with the run
+
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # the package is not installed
+    fresh = tmp_path / "fresh"
+    with pytest.raises(energy.EnergyUnavailableError, match="pip install"):
+        trainer.run(cfg, dataclasses.replace(opts, workdir=str(fresh)))
+    assert not (fresh / trainer.CONFIG_FILE).exists()
+    assert not (fresh / metrics.METRICS_FILE).exists()

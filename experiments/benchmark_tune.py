@@ -1,0 +1,101 @@
+"""Launch sweeps of the inference kernels (`python -m experiments.benchmark --mode=tune`):
+the pack kernel, the fused D2T baseline and GatedT2D's SDDMM and SpMM, each launch
+timed on the same synthetic gated MLP; a launch that fails to compile is a result."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+from absl import logging
+
+from experiments import bench_util as bu
+from pallas_kernels import baselines, reference
+from pallas_kernels._gather import RowLaunch
+from pallas_kernels.twell import pack as pack_mod
+from pallas_kernels.twell import t2d as t2d_mod
+from pallas_kernels.twell.config import PackConfig, T2DConfig
+from twell_jax.synthetic import synthetic_mlp
+
+
+def _ints(spec: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in spec.split(","))
+
+
+def _t2d_launches(spec: str) -> T2DConfig:
+    """ "g,w,bh:g,w,bh" (SDDMM, SpMM) -> T2DConfig."""
+    parts = spec.split(":")
+    if len(parts) != 2 or any(len(_ints(p)) != 3 for p in parts):
+        raise ValueError(f"--tune_t2d_cfg {spec!r}: want <g,w,bh>:<g,w,bh>")
+    sddmm, spmm = (RowLaunch(*_ints(p)) for p in parts)
+    return T2DConfig(sddmm=sddmm, spmm=spmm)
+
+
+def _time_configs(kind: str, cfgs, make_fn, args, warmup: int, reps: int, inner: int) -> list[dict]:
+    """Median ms of `make_fn(cfg)(*args)` for each config; a failed compile is a result."""
+    rows = []
+    for cfg in cfgs:
+        try:
+            fn = jax.jit(make_fn(cfg))
+            t = bu.time_fn(fn, *args, warmup=warmup, reps=reps, inner=inner)["median_ms"]
+        except Exception as e:
+            t = None
+            logging.warning("%s %s failed: %s", kind, cfg, str(e)[:300])
+        rows.append({"cfg": dataclasses.asdict(cfg), "ms": t})
+        print(kind, rows[-1], flush=True)
+    return rows
+
+
+def tune(
+    m: int,
+    h: int,
+    n: int,
+    c: int,
+    reps: int,
+    warmup: int,
+    inner: int,
+    *,
+    d2t_specs,
+    pack_specs,
+    t2d_specs,
+    pattern: str = "uniform",
+    sigma: float = 1.0,
+) -> dict:
+    """Launches of the pack kernel, the fused D2T baseline and GatedT2D at ~29 nnz per row.
+
+    The specs are --tune_d2t_cfg, --tune_pack_cfg and --tune_t2d_cfg strings;
+    pattern and sigma those of the synthetic gates (`synthetic_mlp`).
+    """
+    x, wg, wu, wd = synthetic_mlp(m, h, n, 29, pattern=pattern, sigma=sigma)
+    gate = jax.jit(reference.hidden)
+    gemm_ms = bu.time_fn(gate, x, wg, warmup=warmup, reps=reps, inner=inner)["median_ms"]
+    timed = functools.partial(_time_configs, warmup=warmup, reps=reps, inner=inner)
+    d2t_rows = timed(
+        "d2t",
+        [baselines.D2TConfig(*_ints(spec)) for spec in d2t_specs],
+        lambda cfg: lambda x, w: baselines.d2t(x, w, compression=c, cfg=cfg),
+        (x, wg),
+    )
+    for row in d2t_rows:
+        row["over_gemm"] = row["ms"] and row["ms"] / gemm_ms
+    pack_rows = timed(
+        "pack",
+        [PackConfig(*_ints(spec)) for spec in pack_specs],
+        lambda cfg: lambda g: pack_mod.pack_tiles(g, compression=c, cfg=cfg),
+        (gate(x, wg),),
+    )
+    packed = jax.jit(lambda x, w: pack_mod.gate_then_pack(x, w, compression=c))(x, wg)
+    t2d_rows = timed(
+        "t2d",
+        [_t2d_launches(spec) for spec in t2d_specs],
+        lambda cfg: lambda x, p, a, b, d: t2d_mod.t2d(x, p, (a, b, d), compression=c, cfg=cfg),
+        (x, packed, wg, wu, wd),
+    )
+    return {
+        "M": m,
+        "gate_gemm_ms": gemm_ms,
+        "d2t": d2t_rows,
+        "pack": pack_rows,
+        "gated_t2d": t2d_rows,
+    }
