@@ -5,10 +5,10 @@ the SpMM, tile by tile and row by row, which is cheap for a few tiles and ruinou
 thousands: with a heavy-tailed l0 per token (mean 29, p99 about 13x that) the default
 C = 8 overflowed 339 tiles at M = 16384 and ran at 0.22x dense (docs/results.md,
 "TwELL inference under heavy-tailed rows"). Here a call's heavy rows (any tile past
-capacity) are instead cleared from the packed gate, so the T2D kernels see empty rows,
-and run through the dense formula on a [C, H] gather, C a static capacity picked on
-the device (`lax.switch`) from a few buckets. More heavy rows than the largest bucket
-keep the in-kernel recompute.
+capacity) instead get a count of 0 in every tile of the packed gate, so the T2D
+kernels see empty rows, and run through the dense formula on a [C, H] gather, C a
+static capacity picked on the device (`lax.switch`) from a few buckets. More heavy
+rows than the largest bucket keep the in-kernel recompute.
 
 Shapes: x [M, H] bf16; packed uint32 [M, N / C]; counts int32 [N / 256, M] (the pack's
 true tile counts); weights [N, H].
@@ -61,10 +61,13 @@ def plan(counts: jax.Array, slots: int) -> tuple[jax.Array, jax.Array, tuple[int
     return bucket, lax.switch(bucket, branches), caps
 
 
-def clear(packed: jax.Array, rows: jax.Array) -> jax.Array:
-    """packed with the listed rows zeroed (a count of 0 in every tile: the T2D kernels
-    skip them); padding ids (M) are dropped."""
-    return packed.at[rows].set(0, mode="drop")
+def clear(packed: jax.Array, rows: jax.Array, slots: int) -> jax.Array:
+    """packed with the count word (word 0) of every tile of the listed rows set to 0, so
+    the T2D kernels read no entry of theirs and recompute no tile (the other words are
+    undefined past a tile's count anyway); padding ids (M) are dropped. Only C_max x
+    N / 256 words are written."""
+    heads = jnp.arange(packed.shape[1] // slots, dtype=jnp.int32) * slots
+    return packed.at[rows[:, None], heads[None, :]].set(0, mode="drop")
 
 
 def _tail(cap: int, x, weights, rows, high_precision: bool):

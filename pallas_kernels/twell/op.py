@@ -113,8 +113,9 @@ def _sparse_forward(x, weights, opts: TwellOptions):
         with_counts=True,
     )
     with jax.named_scope("twell_heavy_rows"):
-        bucket, rows, caps = heavy_rows.plan(counts, fmt.slots_per_tile(opts.compression))
-        packed = heavy_rows.clear(packed, rows)
+        slots = fmt.slots_per_tile(opts.compression)
+        bucket, rows, caps = heavy_rows.plan(counts, slots)
+        packed = heavy_rows.clear(packed, rows, slots)
     out = t2d(
         x,
         packed,
