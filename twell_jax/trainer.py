@@ -52,6 +52,7 @@ from twell_jax import (
     input_pipeline,
     metrics,
     progress,
+    run_data,
     sharding,
     step_memory,
     switch_cost,
@@ -125,44 +126,6 @@ class RunOptions:
     skip_nonfinite: int = 0
     init_from_hf: str | None = None
     energy: bool = False
-
-
-def _global_batch(local: dict[str, np.ndarray], placement, global_rows: int) -> dict:
-    """This process's [B_p, S] numpy rows -> global [B, S] jax.Arrays on `placement`."""
-    return {
-        k: jax.make_array_from_process_local_data(placement, v, (global_rows, *v.shape[1:]))
-        for k, v in local.items()
-    }
-
-
-def _check_vocab(cfg: TrainConfig, meta: dict[str, Any], data_dir: str) -> None:
-    tok = meta["tokenizer"]
-    if tok["vocab_size"] > cfg.model.vocab_size:
-        raise ValueError(
-            f"{data_dir} uses a tokenizer of {tok['vocab_size']} ids ({tok['spec']}) but "
-            f"model.vocab_size={cfg.model.vocab_size}: raise the vocab size or use another corpus"
-        )
-
-
-class _Evaluator:
-    """Mean validation CE over the first `eval_batches` val batches (the same ones each time)."""
-
-    def __init__(self, cfg: TrainConfig, data_cfg: input_pipeline.DataConfig, mesh, placement):
-        self._cfg, self._data_cfg, self._placement = cfg, data_cfg, placement
-        self._step = train.make_eval_step(cfg, mesh)
-        try:
-            next(input_pipeline.make_val_iterator(data_cfg, 1))
-            self.enabled = True
-        except ValueError as e:  # e.g. a small corpus without one full val batch
-            logging.warning("validation disabled: %s", e)
-            self.enabled = False
-
-    def __call__(self, params) -> float:
-        ces = [
-            self._step(params, _global_batch(b, self._placement, self._cfg.batch_size))
-            for b in input_pipeline.make_val_iterator(self._data_cfg, self._cfg.eval_batches)
-        ]
-        return float(np.mean(jax.device_get(ces)))
 
 
 def _restore_or_init(cfg, mesh, ckpt, train_iter, opts) -> tuple[train.TrainState, int]:
@@ -265,7 +228,7 @@ class _Trainer:
         self.workdir = Path(opts.workdir)
         self.lead = jax.process_index() == 0
         meta = corpus.load_meta(opts.data_dir)
-        _check_vocab(cfg, meta, opts.data_dir)
+        run_data.check_vocab(cfg, meta, opts.data_dir)
         logging.info("data %s: %s", opts.data_dir, corpus.summary(meta))
 
         mesh = sharding.make_mesh(*cfg.mesh_shape)
@@ -321,7 +284,7 @@ class _Trainer:
         if self.lead:
             self.writer = metrics.MetricsWriter(self.workdir, resume_step=self.step)
         self.train_step = train.make_train_step(cfg, mesh, skip_nonfinite=opts.skip_nonfinite > 0)
-        self.evaluate = _Evaluator(cfg, data_cfg, mesh, self.placement)
+        self.evaluate = run_data.Evaluator(cfg, data_cfg, mesh, self.placement)
         self.summary: dict[str, Any] = {"step": self.step, "interrupted": False}
         # (step, its metrics) not yet checked for finite loss / grad norm.
         self.unchecked: list[tuple[int, dict[str, jax.Array]]] = []
@@ -335,7 +298,7 @@ class _Trainer:
         joules = self.meter.joules if self.meter else None
         timer, compiled = progress.RunTimer(total, clock=self.clock, energy=joules), False
         while self.step < total:
-            batch = _global_batch(next(self.train_iter), self.placement, cfg.batch_size)
+            batch = run_data.global_batch(next(self.train_iter), self.placement, cfg.batch_size)
             self.state, step_metrics = self.train_step(self.state, batch)
             self.step += 1
             pending.append((self.step, step_metrics))
