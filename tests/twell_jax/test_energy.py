@@ -28,8 +28,9 @@ def test_counter_is_read_where_the_driver_has_it(nvml):
         time.sleep(0.05)
         joules = meter.stop()
         seconds = time.perf_counter() - t0
-    # 250 W over the interval, to within the fake counter's 1 mJ steps.
-    assert joules == pytest.approx(250 * seconds, rel=0.02, abs=2e-3)
+    # 250 W over the interval, to within the fake counter's 1 mJ steps and the
+    # scheduling of a loaded machine between the two clocks' reads.
+    assert joules == pytest.approx(250 * seconds, rel=0.1, abs=2e-3)
     assert nvml.calls["power"] == 0  # no sampler thread on this path
     assert nvml.calls["init"] == nvml.calls["shutdown"] == 1
 
@@ -113,7 +114,7 @@ def test_several_devices_are_summed(monkeypatch):
         t0 = time.perf_counter()
         time.sleep(0.05)
         joules, seconds = meter.stop(), time.perf_counter() - t0
-    assert joules == pytest.approx(2 * 100 * seconds, rel=0.02, abs=4e-3)
+    assert joules == pytest.approx(2 * 100 * seconds, rel=0.1, abs=4e-3)
 
 
 def test_visible_gpus_reads_cuda_visible_devices():

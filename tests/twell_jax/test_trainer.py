@@ -236,7 +236,7 @@ def test_energy_is_logged_per_interval_and_a_missing_meter_stops_before_writes(
     for r in records[1:]:
         # Steps of a few ms: a thread switch between the clock's and the meter's reads
         # shows at this scale (not at a GPU step's), hence the tolerance.
-        assert r["watts"] == pytest.approx(250.0, rel=0.1)
+        assert 0.9 * 250.0 <= r["watts"] <= 1.5 * 250.0
         joules_per_s = r["joules_per_token"] * r["tokens_per_s"]
         assert joules_per_s == pytest.approx(r["watts"], rel=1e-6)  # the same seconds
     assert fake.calls["init"] == fake.calls["shutdown"] == 1  # closed with the run
