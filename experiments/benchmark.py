@@ -215,6 +215,7 @@ def kernel_case(
     r["nnz_per_row"] = float(stats_g.nnz_per_row)
     r["max_tile_count"] = int(stats_g.max_tile_count)
     r["overflow_tiles"] = int(stats_g.overflow_tiles)
+    r["heavy_rows"] = int(stats_g.heavy_rows)
     r["d2t_gate_mismatches_first4096"] = gate_mismatch
     r["dense_gated_ms"] = timed(dense_gated, x, wg, wu, wd)
     r["gate_gemm_ms"] = timed(gate_gemm, x, wg)
