@@ -31,6 +31,16 @@ def compiler_params(num_warps: int, num_stages: int) -> pltriton.CompilerParams:
     return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1): Triton values hold 2^k elements."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def iota(n: int) -> jax.Array:
+    """int32 [n]: 0 .. n - 1 (inside a kernel)."""
+    return lax.broadcasted_iota(jnp.int32, (n,), 0)
+
+
 def is_pow2(v: int) -> bool:
     """Whether a launch size is a power of two (Triton block shapes must be)."""
     return v >= 1 and not v & (v - 1)

@@ -80,7 +80,7 @@ class DecodeConfig:
 
 def padded_rows(m: int) -> int:
     """Mp: M rounded up to a power of two, at least 16."""
-    return max(16, 1 << max(m - 1, 0).bit_length())
+    return max(16, tr.next_pow2(m))
 
 
 def splits_for(cfg: DecodeConfig, mp: int) -> int:
@@ -114,10 +114,6 @@ class GateUp(NamedTuple):
     bad: jax.Array
 
 
-def _iota(n: int) -> jax.Array:
-    return lax.broadcasted_iota(jnp.int32, (n,), 0)
-
-
 def _dot_t(a: jax.Array, b: jax.Array) -> jax.Array:
     """a [P, K] . b [Q, K]^T in fp32."""
     return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=_F32)
@@ -130,13 +126,13 @@ def _gate_up_kernel(x_ref, wg_ref, wu_ref, h_ref, counts_ref, ids_ref, bcount_re
     m, h = x_ref.shape
     n = wg_ref.shape[0]
     j = tr.program_id(0, n // block_n)
-    rows = _iota(mp)
+    rows = tr.iota(mp)
     row_ok = rows < m
     neurons = pl.ds(j * block_n, block_n)
     steps = h // block_k
 
     def x_piece(k):
-        cols = k * block_k + _iota(block_k)
+        cols = k * block_k + tr.iota(block_k)
         return tr.load(x_ref.at[rows[:, None], cols[None, :]], mask=row_ok[:, None], other=0)
 
     def gate_step(k, carry):
@@ -169,7 +165,7 @@ def _gate_up_kernel(x_ref, wg_ref, wu_ref, h_ref, counts_ref, ids_ref, bcount_re
     # The block's own compaction, a stable partition: active neurons first, ascending,
     # then the rest; every lane stores to its own slot (no masked duplicates).
     active = jnp.where(counts > 0, 1, 0)
-    lane = _iota(block_n)
+    lane = tr.iota(block_n)
     before = jnp.cumsum(active)  # active lanes in [0, lane]
     n_active = jnp.sum(active)
     slot = jnp.where(active > 0, before - 1, n_active + lane - before)
@@ -218,12 +214,12 @@ def _down_kernel(ids_ref, bcount_ref, h_ref, bad_ref, wd_ref, out_ref, *, m, chu
     mp = h_ref.shape[0]
     h = wd_ref.shape[1]
     nb = bcount_ref.shape[0]
-    nbp = 1 << max(nb - 1, 0).bit_length()
+    nbp = tr.next_pow2(nb)
     b = tr.program_id(0, h // block_h)
     s = tr.program_id(1, splits)
-    rows = _iota(mp)
-    cols = b * block_h + _iota(block_h)
-    blocks = _iota(nbp)
+    rows = tr.iota(mp)
+    cols = b * block_h + tr.iota(block_h)
+    blocks = tr.iota(nbp)
     bcount = tr.load(bcount_ref.at[blocks], mask=blocks < nb, other=0)
     ends = jnp.cumsum(bcount)
     k = jnp.sum(bcount)
@@ -231,7 +227,7 @@ def _down_kernel(ids_ref, bcount_ref, h_ref, bad_ref, wd_ref, out_ref, *, m, chu
     trips = (jnp.maximum(chunks - s, 0) + splits - 1) // splits
 
     def step(i, acc):
-        t = (s + i * splits) * chunk + _iota(chunk)
+        t = (s + i * splits) * chunk + tr.iota(chunk)
         ok = t < k
         before = ends[None, :] <= t[:, None]  # [chunk, nbp]
         block = jnp.sum(jnp.where(before, 1, 0), axis=1)

@@ -3,10 +3,6 @@
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
-from jax import lax
-
 from pallas_kernels import _triton
 from pallas_kernels._gather import RowLaunch
 
@@ -14,9 +10,7 @@ from pallas_kernels._gather import RowLaunch
 NUM_STAGES = 1
 
 
-def iota(n: int) -> jax.Array:
-    """int32 [n]: 0 .. n - 1 (inside a kernel)."""
-    return lax.broadcasted_iota(jnp.int32, (n,), 0)
+iota = _triton.iota
 
 
 def row_call(kernel, *, name: str, grid, out_shape, launch: RowLaunch, h: int, interpret):

@@ -47,18 +47,21 @@ def test_reduce_interval_and_writer_truncation(tmp_path):
     ]
 
 
+# One train-interval record, as the trainer logs it.
+TRAIN_RECORD = {
+    "step": 7,
+    "loss": 2.5,
+    "ce": 2.4,
+    "l1_loss": 0.1,
+    "l0_mean": 30.0,
+    "sparsity_mean": 0.9,
+    "alive_mean": 1.0,
+    "lr": 1e-3,
+}
+
+
 def test_train_line_counts_skipped_steps_only_when_there_are_some():
-    record = {
-        "step": 7,
-        "loss": 2.5,
-        "ce": 2.4,
-        "l1_loss": 0.1,
-        "l0_mean": 30.0,
-        "sparsity_mean": 0.9,
-        "alive_mean": 1.0,
-        "lr": 1e-3,
-        "skipped_steps": 0,
-    }
+    record = {**TRAIN_RECORD, "skipped_steps": 0}
     line = metrics.format_train_line(record, total_steps=10, d_ff=300)
     assert line.startswith("step      7/10  loss 2.5000") and "tok/s -" in line
     assert "skipped" not in line
@@ -72,16 +75,7 @@ def test_energy_fields_and_their_place_in_the_train_line():
     assert metrics.energy_fields(5.0, 2.0, 0) == {}  # an interval of only the compile
     fields = metrics.energy_fields(6.0, 2.0, 400)
     assert fields == {"joules_per_token": 0.015, "watts": 3.0}
-    record = {
-        "step": 7,
-        "loss": 2.5,
-        "ce": 2.4,
-        "l1_loss": 0.1,
-        "l0_mean": 30.0,
-        "sparsity_mean": 0.9,
-        "alive_mean": 1.0,
-        "lr": 1e-3,
-    }
+    record = TRAIN_RECORD
     assert "mJ/tok" not in metrics.format_train_line(record, 10, 300)
     line = metrics.format_train_line({**record, **fields}, 10, 300)
     assert "  mJ/tok 15 (3 W)" in line
