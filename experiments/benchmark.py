@@ -82,20 +82,22 @@ flags.DEFINE_string(
     "train_model_workdir",
     None,
     "Pretrain workdir whose newest checkpoint --mode=train_model times instead of the "
-    "synthetic --model_presets, on the run's batches from --model_data_dir "
-    "(--train_model_batch sequences per step, the run's seq_len).",
+    "synthetic --model_presets, on the run's batches of its own corpus (its data.json, "
+    "or --model_data_dir) (--train_model_batch sequences per step, the run's seq_len).",
 )
 flags.DEFINE_list("model_compressions", ["2", "8"], "TwELL compressions C of --mode=model.")
 flags.DEFINE_list(
     "model_workdirs",
     [],
     "Pretrain workdirs whose newest checkpoint --mode=model also measures, on "
-    "--model_data_dir's validation tokens at the run's sequence length.",
+    "their corpus's validation tokens at the run's sequence length.",
 )
 flags.DEFINE_string(
     "model_data_dir",
     None,
-    "Prepared corpus of the --model_workdirs runs (default: DataConfig's data_dir).",
+    "Prepared corpus of the --model_workdirs, --train_model_workdir or --capture_workdir "
+    "runs (default: the one each run records in its data.json; a corpus given here must "
+    "have the run's tokenizer).",
 )
 flags.DEFINE_string("out", "", "JSON output path (default: print only).")
 flags.DEFINE_list("tokens", ["16384", "131072"], "Token counts M.")
@@ -168,10 +170,15 @@ flags.DEFINE_integer(
 )
 
 
-def _default_data_dir() -> str:
-    from twell_jax import input_pipeline  # grain: only the modes that read a corpus
+def _runs_data_dir(*workdirs: str) -> str:
+    """The corpus the runs in `workdirs` trained on (their data.json), or --model_data_dir
+    after checking it has their tokenizer."""
+    from twell_jax import run_data  # grain: only the modes that read a corpus
 
-    return input_pipeline.DataConfig.data_dir
+    dirs = {run_data.run_data_dir(w, FLAGS.model_data_dir or None) for w in workdirs}
+    if len(dirs) > 1:
+        raise ValueError(f"runs {list(workdirs)} trained on different corpora {sorted(dirs)}")
+    return dirs.pop()
 
 
 def _gemm_tflops(m: int, h: int, n: int, n_gemms: int, ms: float) -> float:
@@ -304,7 +311,7 @@ def _train_model(meter) -> list[dict]:
         return [
             benchmark_train_model.run_trained(
                 FLAGS.train_model_workdir,
-                FLAGS.model_data_dir or _default_data_dir(),
+                _runs_data_dir(FLAGS.train_model_workdir),
                 batch=FLAGS.train_model_batch,
                 reps=FLAGS.reps,
                 meter=meter,
@@ -359,7 +366,7 @@ def main(argv):
     elif FLAGS.mode == "train" and FLAGS.pattern == "captured":
         result["cases"] = benchmark_train.run_captured(
             FLAGS.capture_workdir,
-            FLAGS.model_data_dir or _default_data_dir(),
+            _runs_data_dir(FLAGS.capture_workdir),
             layers=tuple(int(v) for v in FLAGS.capture_layers),
             M=FLAGS.train_tokens,
             reps=FLAGS.reps,
@@ -398,7 +405,7 @@ def main(argv):
         if FLAGS.model_workdirs:
             result["trained"] = benchmark_model.run_trained(
                 FLAGS.model_workdirs,
-                FLAGS.model_data_dir or _default_data_dir(),
+                _runs_data_dir(*FLAGS.model_workdirs),
                 batch=FLAGS.model_batch,
                 reps=FLAGS.reps,
             )

@@ -1,4 +1,5 @@
-"""Compares pretraining runs: final validation CE, sparsity, and one plot over steps.
+"""Compares pretraining runs: final validation CE and sparsity, throughput and energy
+over the second half, and one plot over steps.
 
     python -m experiments.quality_report --baseline=l1_0.jsonl l1_*.jsonl \
         --plot=sparsity_ce.png
@@ -18,11 +19,32 @@ from absl import app, flags
 from twell_jax import metrics
 
 _BASELINE = flags.DEFINE_string("baseline", None, "metrics.jsonl of the reference run.")
-_PLOT = flags.DEFINE_string("plot", None, "PNG of sparsity and val CE against step.")
+_PLOT = flags.DEFINE_string(
+    "plot", None, "PNG of l0, val CE, tokens/s and sparse layers against step."
+)
+
+
+def _last_half_mean(train: Sequence[dict], key: str, scale: float = 1.0) -> float | None:
+    """Mean of `key` over the train records of the second half of the run (None if absent)."""
+    half = train[-1]["step"] / 2
+    values = [r[key] * scale for r in train if r["step"] > half and r.get(key) is not None]
+    return sum(values) / len(values) if values else None
+
+
+def _all_sparse_from(train: Sequence[dict]) -> int | None:
+    """First logged step from which every layer ran the sparse kernels to the end."""
+    first = None
+    for r in train:
+        if r.get("use_sparse") and all(r["use_sparse"]):
+            first = r["step"] if first is None else first
+        else:
+            first = None
+    return first
 
 
 def summarize(records: Sequence[dict]) -> dict:
-    """The last train and eval records of a run, reduced to the reported numbers.
+    """The last train and eval records of a run, reduced to the reported numbers, plus
+    throughput and energy over the second half of the run.
 
     Raises:
       ValueError: the run has no train or no eval record.
@@ -39,47 +61,64 @@ def summarize(records: Sequence[dict]) -> dict:
         "l0_mean": last["l0_mean"],
         "sparsity_mean": last["sparsity_mean"],
         "alive_mean": last["alive_mean"],
-        "tokens_per_s": last.get("tokens_per_s"),
+        "tokens_per_s": _last_half_mean(train, "tokens_per_s"),
+        "mj_per_token": _last_half_mean(train, "joules_per_token", 1e3),
+        "all_sparse_from": _all_sparse_from(train),
     }
 
 
 def table(runs: dict[str, dict], baseline: str | None) -> str:
-    """Markdown rows, one per run; CE is also given relative to `baseline`'s."""
-    base = runs[baseline]["val_ce"] if baseline else None
+    """Markdown rows, one per run; CE and tokens/s are also given relative to `baseline`'s."""
+    base = runs[baseline] if baseline else None
+
+    def rel(s: dict, key: str, fmt: str) -> str:
+        if not base or not s[key] or not base[key]:
+            return "—"
+        return format(s[key] / base[key] - (1 if fmt.endswith("%") else 0), fmt)
+
     lines = [
         "| run | λ (L1) | steps | val CE | vs baseline | l0 / token / layer | sparsity "
-        "| alive neurons | tokens/s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| alive neurons | tokens/s, last half | vs baseline | mJ/token, last half "
+        "| all layers sparse from step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, s in runs.items():
-        rel = f"{100 * (s['val_ce'] / base - 1):+.2f}%" if base else "—"
         tps = f"{s['tokens_per_s']:,.0f}" if s["tokens_per_s"] else "—"
+        mj = f"{s['mj_per_token']:.2f}" if s["mj_per_token"] else "—"
+        sparse_from = "—" if s["all_sparse_from"] is None else str(s["all_sparse_from"])
         lines.append(
-            f"| {name} | {s['l1_coef']:g} | {s['step']} | {s['val_ce']:.4f} | {rel} | "
-            f"{s['l0_mean']:.1f} | {100 * s['sparsity_mean']:.2f}% | "
-            f"{100 * s['alive_mean']:.1f}% | {tps} |"
+            f"| {name} | {s['l1_coef']:g} | {s['step']} | {s['val_ce']:.4f} | "
+            f"{rel(s, 'val_ce', '+.2%')} | {s['l0_mean']:.1f} | "
+            f"{100 * s['sparsity_mean']:.2f}% | {100 * s['alive_mean']:.1f}% | {tps} | "
+            f"{rel(s, 'tokens_per_s', '.3f')}x | {mj} | {sparse_from} |"
         )
-    return "\n".join(lines)
+    return "\n".join(lines).replace("—x |", "— |")
 
 
 def plot(runs: dict[str, list[dict]], path: str | os.PathLike) -> None:
-    """Sparsity (1 - l0/N) and validation CE against step, one line per run."""
+    """Four panels against step, one line per run: l0 per token and layer (log scale),
+    validation CE, training tokens/s, and how many layers ran the sparse kernels."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_sp, ax_ce) = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), constrained_layout=True)
+    (ax_l0, ax_ce), (ax_tps, ax_sparse) = axes
     for name, records in runs.items():
         train = [r for r in records if r.get("kind") == "train"]
         evals = [r for r in records if r.get("kind") == "eval"]
-        ax_sp.plot(
-            [r["step"] for r in train], [100 * r["sparsity_mean"] for r in train], label=name
-        )
+        steps = [r["step"] for r in train]
+        ax_l0.plot(steps, [r["l0_mean"] for r in train], label=name)
         ax_ce.plot([r["step"] for r in evals], [r["val_ce"] for r in evals], "o-", label=name)
-    ax_sp.set(xlabel="step", ylabel="sparsity % (1 - l0/N)", title="FFN sparsity", ylim=(70, 100))
+        timed = [r for r in train if r.get("tokens_per_s")]
+        ax_tps.plot([r["step"] for r in timed], [r["tokens_per_s"] for r in timed], label=name)
+        ax_sparse.plot(steps, [sum(r.get("use_sparse") or []) for r in train], label=name)
+    ax_l0.set(xlabel="step", ylabel="non-zeros per token and layer", title="FFN l0", yscale="log")
     ax_ce.set(xlabel="step", ylabel="val CE (nats/token)", title="validation CE", yscale="log")
-    for ax in (ax_sp, ax_ce):
+    ax_tps.set(xlabel="step", ylabel="tokens/s", title="training throughput", ylim=(0, None))
+    ax_sparse.set(xlabel="step", ylabel="layers", title="layers on the sparse kernels")
+    for ax in axes.flat:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.savefig(path, dpi=100)

@@ -1,8 +1,11 @@
-"""A run's batches: process-local rows to global arrays, the corpus's vocabulary check
-and the validation evaluator (`twell_jax.trainer` uses them)."""
+"""A run's batches: process-local rows to global arrays, the corpus's vocabulary check,
+the record of which corpus a run trained on, and the validation evaluator
+(`twell_jax.trainer` uses them)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -29,6 +32,44 @@ def check_vocab(cfg: TrainConfig, meta: dict[str, Any], data_dir: str) -> None:
             f"{data_dir} uses a tokenizer of {tok['vocab_size']} ids ({tok['spec']}) but "
             f"model.vocab_size={cfg.model.vocab_size}: raise the vocab size or use another corpus"
         )
+
+
+DATA_FILE = "data.json"
+
+
+def write_data_record(workdir: str | Path, data_dir: str, meta: dict[str, Any]) -> None:
+    """Writes workdir/data.json: the corpus a run trains on (absolute path and tokenizer
+    fingerprint), so that tools reading the run (benchmarks on its checkpoint) take the
+    same tokens without being told."""
+    record = {"data_dir": str(Path(data_dir).resolve()), "tokenizer": meta["tokenizer"]}
+    (Path(workdir) / DATA_FILE).write_text(json.dumps(record, indent=2) + "\n")
+
+
+def run_data_dir(workdir: str | Path, data_dir: str | None = None) -> str:
+    """The corpus of the run in `workdir`: `data_dir` when given, else its data.json's.
+
+    Raises:
+      FileNotFoundError: no `data_dir` and the run has no data.json (written by runs since
+        it exists): name the corpus.
+      ValueError: `data_dir`'s tokenizer is not the one the run trained with.
+    """
+    path = Path(workdir) / DATA_FILE
+    record = json.loads(path.read_text()) if path.exists() else None
+    if data_dir is None:
+        if record is None:
+            raise FileNotFoundError(f"{path}: the run does not record its corpus; name it")
+        return record["data_dir"]
+    if record is not None:
+        from twell_jax import corpus
+
+        theirs = record["tokenizer"].get("fingerprint")
+        ours = corpus.load_meta(data_dir)["tokenizer"].get("fingerprint")
+        if theirs != ours:
+            raise ValueError(
+                f"{data_dir}: tokenizer fingerprint {ours}, but {workdir} trained on "
+                f"{record['data_dir']} with tokenizer fingerprint {theirs}"
+            )
+    return data_dir
 
 
 class Evaluator:

@@ -277,6 +277,7 @@ class _Trainer:
         if self.lead:
             config_json = json.dumps(config_to_dict(cfg), indent=2) + "\n"
             (self.workdir / CONFIG_FILE).write_text(config_json)
+            run_data.write_data_record(self.workdir, opts.data_dir, meta)
             logging.info("resolved config -> %s", self.workdir / CONFIG_FILE)
         self.step = int(self.state.step)
         self.saved_step = self.step if self.ckpt.latest_step() == self.step else None

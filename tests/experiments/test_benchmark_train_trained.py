@@ -85,7 +85,7 @@ def test_train_model_cli_reads_a_workdir_and_writes_energy(run, tmp_path):
     env.pop("CUDA_VISIBLE_DEVICES", None)  # the fake has one board
     args = [
         "-m", "experiments.benchmark", "--mode=train_model", f"--train_model_workdir={workdir}",
-        f"--model_data_dir={data_dir}", "--train_model_batch=2", "--reps=2", "--energy",
+        "--train_model_batch=2", "--reps=2", "--energy",  # the corpus: the run's data.json
         f"--out={out}",
     ]  # fmt: skip
     proc = subprocess.run(
@@ -96,6 +96,7 @@ def test_train_model_cli_reads_a_workdir_and_writes_energy(run, tmp_path):
     assert res["energy"] == {"method": "counter", "devices": [0], "names": ["Fake GPU"]}
     (rec,) = res["cases"]
     assert rec["workdir"] == str(workdir) and rec["step"] == STEPS
+    assert rec["data_dir"] == str(Path(data_dir).resolve())
     assert 0.9 * 200.0 <= rec["dense_watts"] <= 1.5 * 200.0  # read outside the clock
     assert rec["sparse_joules_per_token"] > 0
     table = results_table.train_model_table(res)

@@ -321,6 +321,11 @@ def test_flagfile_resolves(name, monkeypatch):
         assert cfg.optim.total_steps == 30000 and cfg.model.remat
     if name == "125m_dense":
         assert cfg.sparsity.l1_coef == 0 and cfg.optim.total_steps == 1000
+    if name.startswith("1b_demo"):  # the twins differ only in lambda and the FFN
+        assert cfg.model.vocab_size == 8192 and cfg.tokens_per_step == 8 * 2048
+        assert (cfg.sparsity.l1_coef, cfg.model.ffn_impl) == (
+            (0.0, "dense") if name == "1b_demo_dense" else (1e-3, "sparse")
+        )
 
 
 @pytest.mark.slow
@@ -391,6 +396,12 @@ def test_quality_report_table_and_plot(tmp_path, straight):
     summaries = {"base": quality_report.summarize(records), "l1": quality_report.summarize(worse)}
     assert summaries["base"]["step"] == 6
     assert summaries["base"]["l1_coef"] == pytest.approx(1e-3)
+    train = [r for r in records if r.get("kind") == "train"]
+    late = [r["tokens_per_s"] for r in train if r["step"] > 3 and r.get("tokens_per_s")]
+    assert summaries["base"]["tokens_per_s"] == pytest.approx(sum(late) / len(late))
+    assert summaries["base"]["mj_per_token"] is None  # no --energy
+    every = all(all(r["use_sparse"]) for r in train if r["step"] >= train[-1]["step"])
+    assert (summaries["base"]["all_sparse_from"] is not None) == every
     table = quality_report.table(summaries, "base")
     rows = table.splitlines()[2:]
     assert rows[0].startswith("| base |") and "+0.00%" in rows[0]

@@ -7,6 +7,7 @@ prepared corpus of conftest; the end-to-end CLI runs are in tests/experiments.
 import dataclasses
 import json
 import logging
+import pathlib
 import shutil
 import sys
 
@@ -247,3 +248,26 @@ def test_energy_is_logged_per_interval_and_a_missing_meter_stops_before_writes(
         trainer.run(cfg, dataclasses.replace(opts, workdir=str(fresh)))
     assert not (fresh / trainer.CONFIG_FILE).exists()
     assert not (fresh / metrics.METRICS_FILE).exists()
+
+
+# --- the run's corpus record ------------------------------------------------------
+
+
+def test_a_run_records_its_corpus_and_readers_check_a_given_one(tmp_path, finished, data_dir):
+    from twell_jax import run_data
+
+    assert run_data.run_data_dir(finished) == str(pathlib.Path(data_dir).resolve())
+    assert run_data.run_data_dir(finished, data_dir) == data_dir  # same tokenizer
+    other = tmp_path / "other"
+    paths, _ = write_text_corpus(tmp_path / "text")
+    prepare_byte_corpus(paths, other)
+    meta = json.loads((other / "meta.json").read_text())
+    meta["tokenizer"]["fingerprint"] = "not-the-runs"
+    (other / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="fingerprint not-the-runs"):
+        run_data.run_data_dir(finished, str(other))
+    bare = _copy(finished, tmp_path)
+    (bare / run_data.DATA_FILE).unlink()
+    with pytest.raises(FileNotFoundError, match="does not record its corpus"):
+        run_data.run_data_dir(bare)
+    assert run_data.run_data_dir(bare, str(other)) == str(other)  # nothing to check against
