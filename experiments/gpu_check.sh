@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the GPU test suite, then the benchmarks.
-#   bash experiments/gpu_check.sh [tests|kernel|train|model|train_model|energy|patterns|switch|captured|decode|train_memory|tune|train_tune|memory|quality|l1sweep|all]...
+#   bash experiments/gpu_check.sh [tests|kernel|train|model|train_model|energy|patterns|switch|captured|decode|train_memory|demo|l1_target|tune|train_tune|memory|quality|l1sweep|all]...
 # Results (JSON and logs) go to $OUT when set, else results/ (README.md, "Reproduce").
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -85,6 +85,26 @@ for what in "${@:-all}"; do
       python3 -m experiments.benchmark_memory --preset=2b --batch=8 --seq=2048 \
         --ffn_impls=dense,sparse --model_nnz=29 --out="$OUT/train_step_memory_2b_h200.json" \
         || status=1 ;;
+    demo)  # the 1B run and its dense twin (README "A real run"); needs data/stdlib_bpe8k
+      mkdir -p "$OUT/1b_demo"
+      for run in 1b_demo_dense 1b_demo; do
+        python3 -m experiments.pretrain --flagfile="experiments/configs/$run.flags" --energy \
+          > "$OUT/1b_demo/${run}_log.txt" 2>&1 || status=1
+        cp "runs/$run/metrics.jsonl" "$OUT/1b_demo/${run#1b_demo_}.jsonl"
+      done
+      mv "$OUT/1b_demo/1b_demo.jsonl" "$OUT/1b_demo/sparse.jsonl"
+      python3 -m experiments.quality_report --baseline="$OUT/1b_demo/dense.jsonl" \
+        "$OUT/1b_demo/sparse.jsonl" --plot="$OUT/1b_demo/curves.png" || status=1
+      python3 -m experiments.benchmark --mode=train_model --train_model_workdir=runs/1b_demo \
+        --reps=8 --energy --out="$OUT/1b_demo/train_model_1b_demo_h200.json" || status=1 ;;
+    l1_target)  # 125M runs with the L1 penalty on the FFN weights, at each L1_SWEEP lambda
+      for lam in ${L1_SWEEP:-1e-4 1e-3 1e-2}; do
+        python3 -m experiments.pretrain --flagfile=experiments/configs/125m.flags \
+          --set=sparsity.l1_target=weights --l1_coef="$lam" --ffn_impl=dense \
+          --checkpoint_every=1000 --workdir="/tmp/runs/125m_wl1_$lam" \
+          > "$OUT/125m_weights_l1_${lam}_log.txt" 2>&1 || status=1
+        cp "/tmp/runs/125m_wl1_$lam/metrics.jsonl" "$OUT/125m_weights_l1_${lam}_metrics.jsonl"
+      done ;;
     tune) python3 -m experiments.benchmark --mode=tune --out="$OUT/tune_h200.json" || status=1 ;;
     train_tune) python3 -m experiments.benchmark --mode=train_tune \
                   --out="$OUT/train_tune_h200.json" || status=1 ;;
