@@ -20,7 +20,8 @@ from flax import nnx
 
 from experiments import bench_util as bu
 from twell_jax import checkpoint, input_pipeline, sharding, train, trainer
-from twell_jax.config import ModelConfig, TrainConfig, model_preset, train_config_from_dict
+from twell_jax.config import ModelConfig, TrainConfig, model_preset
+from twell_jax.config_io import train_config_from_dict
 from twell_jax.synthetic import synthetic_sparse_params
 
 

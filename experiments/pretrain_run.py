@@ -16,7 +16,8 @@ import jax
 
 from twell_jax import checkpoint, corpus, sharding, train, trainer
 from twell_jax import tokenizer as tokenizer_lib
-from twell_jax.config import TrainConfig, train_config_from_dict
+from twell_jax.config import TrainConfig
+from twell_jax.config_io import train_config_from_dict
 
 
 def load_params(workdir: str | Path) -> tuple[TrainConfig, dict[str, Any], int]:

@@ -28,7 +28,7 @@ import jax
 import orbax.checkpoint as ocp
 from absl import logging
 
-from twell_jax.config import config_diff, config_to_dict
+from twell_jax.config_io import config_diff, config_to_dict
 
 # TrainConfig fields that may differ between the saved run and the resumed one (the run
 # length and the loop cadence). A key is ignored if its full dotted path (e.g.

@@ -1,20 +1,17 @@
-"""Frozen configuration dataclasses, presets and dict round-trips.
+"""Frozen configuration dataclasses and presets.
 
 One `TrainConfig` composes `ModelConfig`, `SparsityConfig` and `OptimConfig`. Every
 default lives here once; flagfiles and presets only override. `__post_init__` checks
 raise `ValueError` naming the offending field; the kernel shape rules are the kernels'
 own (`pallas_kernels.twell_supported`, `pallas_kernels.sparse_train_supported`).
-`config_to_dict` / `train_config_from_dict` round-trip through plain JSON-friendly dicts
-(saved next to checkpoints) and `config_diff` lists the dotted keys two configs differ
-in. Dotted-key overrides ("model.d_ff=1024") are `twell_jax.overrides`.
+Round trips through JSON-friendly dicts and config diffs are `twell_jax.config_io`;
+dotted-key overrides ("model.d_ff=1024") are `twell_jax.overrides`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import typing
-from collections.abc import Iterable, Mapping
 from typing import Any
 
 import jax.numpy as jnp
@@ -290,6 +287,9 @@ class TrainConfig:
       seed: seeds parameter init and dead-neuron re-init.
       mesh_shape: (data, fsdp) device-mesh sizes; one entry may be -1 ("all the rest").
       log_every, eval_every, eval_batches, checkpoint_every: loop cadence in steps.
+      ce_chunk_tokens: the LM head and its cross-entropy run over chunks of about this
+        many tokens of a micro-batch (`twell_jax.lm_loss`), so that the [tokens, V] fp32
+        logits exist one chunk at a time.
     """
 
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
@@ -302,11 +302,18 @@ class TrainConfig:
     eval_every: int = 100
     eval_batches: int = 4
     checkpoint_every: int = 500
+    ce_chunk_tokens: int = 4096
 
     def __post_init__(self):
         object.__setattr__(self, "mesh_shape", tuple(self.mesh_shape))
         _require_positive(
-            self, "batch_size", "log_every", "eval_every", "eval_batches", "checkpoint_every"
+            self,
+            "batch_size",
+            "log_every",
+            "eval_every",
+            "eval_batches",
+            "checkpoint_every",
+            "ce_chunk_tokens",
         )
         accum = self.optim.grad_accum_steps
         _require(
@@ -381,89 +388,3 @@ def train_preset(name: str) -> TrainConfig:
     return TrainConfig(
         model=model, batch_size=512, mesh_shape=(1, -1), optim=OptimConfig(grad_accum_steps=8)
     )
-
-
-def config_to_dict(cfg: Any) -> dict[str, Any]:
-    """A config dataclass or mapping -> nested plain dict (tuples become lists: JSON-friendly)."""
-
-    def plain(v):
-        if isinstance(v, tuple | list):
-            return [plain(x) for x in v]
-        if isinstance(v, Mapping):
-            return {k: plain(x) for k, x in v.items()}
-        return v
-
-    return plain(dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else cfg)
-
-
-def _from_dict(cls: type, d: dict[str, Any], prefix: str) -> Any:
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(d) - names)
-    if unknown:
-        raise ValueError(f"unknown config keys: {[prefix + k for k in unknown]}")
-    kwargs = {}
-    for key, value in d.items():
-        if dataclasses.is_dataclass(hints[key]):
-            value = _from_dict(hints[key], value, f"{prefix}{key}.")
-        elif isinstance(value, list):
-            value = tuple(value)
-        kwargs[key] = value
-    return cls(**kwargs)
-
-
-def train_config_from_dict(d: dict[str, Any]) -> TrainConfig:
-    """Inverse of `config_to_dict` for a TrainConfig; missing keys take defaults.
-
-    Raises:
-      ValueError: unknown keys (named with their dotted path) or invalid values.
-    """
-    return _from_dict(TrainConfig, d, "")
-
-
-def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{"a": {"b": 1}} -> {"a.b": 1}."""
-    flat = {}
-    for k, v in tree.items():
-        if isinstance(v, Mapping):
-            flat.update(flatten(v, f"{prefix}{k}."))
-        else:
-            flat[prefix + k] = v
-    return flat
-
-
-MISSING = "<missing>"
-# Fields added after configs were first saved, by dotted path, with the value a saved
-# config that lacks the key stands for (its behaviour when it was written): the key
-# missing on one side and this value on the other is no difference.
-ADDED_FIELD_DEFAULTS = {"model.n_kv_heads": None, "sparsity.sparse_switch": "l0"}
-
-
-def _lookup(flat: dict[str, Any], key: str) -> Any:
-    if key in flat:
-        return flat[key]
-    return ADDED_FIELD_DEFAULTS.get(key, MISSING)
-
-
-def config_diff(a: Any, b: Any, ignore_keys: Iterable[str] = ()) -> dict[str, tuple[Any, Any]]:
-    """The dotted keys whose values differ between two configs (dataclasses or dicts).
-
-    Args:
-      a, b: the configs; tuples and lists compare equal.
-      ignore_keys: keys skipped when their full dotted path ("optim.total_steps") or
-        their last component ("total_steps") is listed.
-
-    Returns:
-      Sorted key -> (a's value, b's value), `MISSING` where a config lacks the key (a
-      key of `ADDED_FIELD_DEFAULTS` stands for its default there); empty when the
-      configs match.
-    """
-    ignore = set(ignore_keys)
-    fa, fb = flatten(config_to_dict(a)), flatten(config_to_dict(b))
-    return {
-        k: (_lookup(fa, k), _lookup(fb, k))
-        for k in sorted(fa.keys() | fb.keys())
-        if _lookup(fa, k) != _lookup(fb, k)
-        and k not in ignore
-        and k.rsplit(".", 1)[-1] not in ignore
-    }

@@ -332,7 +332,10 @@ class Transformer(nnx.Module):
           gives `l0`, `max_tile_count`, `overflow_tiles`, each [L], instead.
         """
         x, stats = self.hidden_states(tokens, use_sparse)
-        head = self.embed if self.cfg.tie_embeddings else self.lm_head
         # bf16 GEMM (as in twell_jax/ffn.py), upcast for the softmax, as HF Llama does.
-        logits = jnp.einsum("bsh,vh->bsv", x, head[...].astype(x.dtype))
+        logits = jnp.einsum("bsh,vh->bsv", x, self.head_weight().astype(x.dtype))
         return logits.astype(jnp.float32), stats
+
+    def head_weight(self) -> jax.Array:
+        """The LM head [V, H] in the parameter dtype: the embedding when tied."""
+        return (self.embed if self.cfg.tie_embeddings else self.lm_head)[...]

@@ -8,7 +8,8 @@ of what one step must hold on each device:
 
 - state: parameters, AdamW moments (the abstract train state, exact) and the fp32
   gradient accumulator, divided over the FSDP axis;
-- logits: the fp32 [tokens, V] logits of one micro-batch (cross-entropy keeps them);
+- logits: the fp32 [tokens, V] logits of one chunk of a micro-batch (the cross-entropy
+  of `twell_jax.lm_loss` holds one `ce_chunk_tokens` chunk at a time);
 - activations: what the backward pass needs at least per token and layer, the layer's
   input, the attention's queries and output (3 H) and the FFN's pre-activations (2 N
   gated, N plain ReLU), in the compute dtype, for every layer; with `model.remat` only
@@ -35,7 +36,7 @@ import os
 import jax
 import numpy as np
 
-from twell_jax import model, sharding, train
+from twell_jax import lm_loss, model, sharding, train
 from twell_jax.config import TrainConfig
 
 # Refuse when the lower bound exceeds the memory by this factor (see the docstring).
@@ -116,7 +117,7 @@ def estimate(
         activations, attention = m.n_layers * full_layer, m.n_layers * probs
     return StepMemory(
         state=-(-(state + params) // fsdp),  # + the gradient accumulator, like the params
-        logits=tokens * m.vocab_size * 4,
+        logits=rows * lm_loss.seq_chunk(rows, m.seq_len, cfg.ce_chunk_tokens) * m.vocab_size * 4,
         activations=activations,
         attention=attention,
         rows=rows,

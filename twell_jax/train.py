@@ -30,7 +30,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from twell_jax import sparsity
+from twell_jax import lm_loss, sparsity
 from twell_jax.config import ModelConfig, OptimConfig, TrainConfig
 from twell_jax.ffn import SPARSE_COUNTERS
 from twell_jax.model import Transformer
@@ -273,8 +273,9 @@ def make_train_step(
     param_shardings = state_shardings.params
 
     def loss_fn(params, batch, use_sparse, step):
-        logits, stats = nnx.merge(graphdef, params)(batch["inputs"], use_sparse)
-        ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+        model = nnx.merge(graphdef, params)
+        x, stats = model.hidden_states(batch["inputs"], use_sparse)
+        ce = lm_loss.cross_entropy(x, model.head_weight(), batch["targets"], cfg.ce_chunk_tokens)
         l1_loss = sparsity.l1_penalty(stats["l1"], params, step, sp)
         return ce + l1_loss, (ce, l1_loss, stats)
 
@@ -365,8 +366,9 @@ def make_eval_step(cfg: TrainConfig, mesh: Mesh) -> Callable[[Params, Batch], ja
     graphdef = model_graphdef(model_cfg)
 
     def eval_fn(params, batch):
-        logits, _ = nnx.merge(graphdef, params)(batch["inputs"])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+        model = nnx.merge(graphdef, params)
+        x, _ = model.hidden_states(batch["inputs"])
+        return lm_loss.cross_entropy(x, model.head_weight(), batch["targets"], cfg.ce_chunk_tokens)
 
     jitted = jax.jit(
         eval_fn,

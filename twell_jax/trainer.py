@@ -58,7 +58,8 @@ from twell_jax import (
     switch_cost,
     train,
 )
-from twell_jax.config import TrainConfig, config_to_dict
+from twell_jax.config import TrainConfig
+from twell_jax.config_io import config_to_dict
 from twell_jax.hf import init as hf_init
 from twell_jax.run_guards import (
     DivergenceError,

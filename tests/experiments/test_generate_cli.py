@@ -14,7 +14,7 @@ import pytest
 
 from experiments import pretrain_run
 from tests.corpora import prepare_byte_corpus, write_text_corpus
-from twell_jax import checkpoint, config, sharding, train, trainer
+from twell_jax import checkpoint, config, config_io, sharding, train, trainer
 from twell_jax import generate as G
 
 pytest.importorskip("safetensors")
@@ -52,7 +52,7 @@ def workdir(tmp_path_factory) -> tuple[Path, Path]:
     run_dir = root / "workdir"
     with checkpoint.Checkpointer(run_dir / trainer.CHECKPOINT_DIR, async_save=False) as ckpt:
         ckpt.save(3, state, {}, cfg)
-    (run_dir / trainer.CONFIG_FILE).write_text(json.dumps(config.config_to_dict(cfg)))
+    (run_dir / trainer.CONFIG_FILE).write_text(json.dumps(config_io.config_to_dict(cfg)))
     return run_dir, data_dir
 
 

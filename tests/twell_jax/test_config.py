@@ -9,6 +9,7 @@ from flax import nnx
 
 import pallas_kernels
 from twell_jax import config as C
+from twell_jax import config_io
 from twell_jax import model as M
 
 
@@ -80,25 +81,25 @@ def test_presets_are_valid():
 
 def test_dict_round_trip_and_diff():
     cfg = C.train_preset("tiny")
-    d = C.config_to_dict(cfg)
+    d = config_io.config_to_dict(cfg)
     assert d["optim"]["betas"] == [0.9, 0.95]
-    assert C.train_config_from_dict(d) == cfg
+    assert config_io.train_config_from_dict(d) == cfg
     other = dataclasses.replace(
         cfg,
         model=dataclasses.replace(cfg.model, d_ff=1024, remat=True),
         optim=dataclasses.replace(cfg.optim, betas=(0.9, 0.99)),
         sparsity=dataclasses.replace(cfg.sparsity, tokens_until_dead=4096),
     )
-    assert C.config_diff(cfg, other) == {
+    assert config_io.config_diff(cfg, other) == {
         "model.d_ff": (512, 1024),
         "model.remat": (False, True),
         "optim.betas": ([0.9, 0.95], [0.9, 0.99]),
         "sparsity.tokens_until_dead": (None, 4096),
     }
-    assert list(C.config_diff(cfg, other, ignore_keys=["remat", "optim.betas"])) == [
+    assert list(config_io.config_diff(cfg, other, ignore_keys=["remat", "optim.betas"])) == [
         "model.d_ff",
         "sparsity.tokens_until_dead",
     ]
-    assert C.config_diff({"a": {"b": 1}}, {"a": {}}) == {"a.b": (1, C.MISSING)}
+    assert config_io.config_diff({"a": {"b": 1}}, {"a": {}}) == {"a.b": (1, config_io.MISSING)}
     with pytest.raises(ValueError, match=r"model\.n_experts"):
-        C.train_config_from_dict({"model": {"n_experts": 8}})
+        config_io.train_config_from_dict({"model": {"n_experts": 8}})

@@ -10,6 +10,7 @@ from flax import nnx
 
 from tests.twell_jax.test_model import forward_fn, init_params, small_model, tokens
 from twell_jax import config as C
+from twell_jax import config_io
 from twell_jax import model as M
 
 
@@ -50,12 +51,12 @@ def test_gqa_equals_mha_with_repeated_key_value_heads():
 
 def test_saved_configs_without_n_kv_heads_still_match():
     cfg = C.train_preset("tiny")
-    saved = C.config_to_dict(cfg)
+    saved = config_io.config_to_dict(cfg)
     del saved["model"]["n_kv_heads"]
-    assert C.config_diff(saved, cfg) == {}
-    assert C.train_config_from_dict(saved) == cfg
+    assert config_io.config_diff(saved, cfg) == {}
+    assert config_io.train_config_from_dict(saved) == cfg
     gqa = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, n_kv_heads=2))
-    assert C.config_diff(saved, gqa) == {"model.n_kv_heads": (None, 2)}
+    assert config_io.config_diff(saved, gqa) == {"model.n_kv_heads": (None, 2)}
 
 
 def test_per_row_rope_positions_match_shared_tables():

@@ -3,7 +3,7 @@
 import pytest
 
 from twell_jax import config as C
-from twell_jax import overrides
+from twell_jax import config_io, overrides
 
 
 def test_string_overrides_take_the_field_type():
@@ -19,7 +19,7 @@ def test_string_overrides_take_the_field_type():
     )
     assert other.model.d_ff == 1024 and other.optim.betas == (0.9, 0.99)
     assert other.sparsity.tokens_until_dead == 4096 and other.model.remat is True
-    assert C.config_diff(cfg, other).keys() == {
+    assert config_io.config_diff(cfg, other).keys() == {
         "model.d_ff",
         "model.remat",
         "optim.betas",

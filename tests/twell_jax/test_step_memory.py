@@ -19,7 +19,10 @@ def test_estimate_terms_scale_with_the_shape():
     base = step_memory.estimate(cfg, devices=1)
     long = step_memory.estimate(_with(cfg, seq_len=1024), devices=1)
     assert long.attention == 8**2 * base.attention  # rows x heads x S^2 per layer
-    assert long.logits == 8 * base.logits == 8 * 16 * 128 * 512 * 4
+    # One cross-entropy chunk of ce_chunk_tokens = 4096 tokens (16 x 256) is held at once.
+    assert long.logits == 2 * base.logits == 16 * 256 * 512 * 4
+    whole = dataclasses.replace(_with(cfg, seq_len=1024), ce_chunk_tokens=1 << 30)
+    assert step_memory.estimate(whole, devices=1).logits == 8 * base.logits
     assert long.state == base.state
     assert step_memory.estimate(_with(cfg, seq_len=1024), devices=1, cudnn=True).attention == 0
     remat = step_memory.estimate(_with(cfg, seq_len=1024, remat=True), devices=1)

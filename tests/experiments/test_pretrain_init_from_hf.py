@@ -23,14 +23,24 @@ from flax import nnx
 
 from experiments import pretrain
 from twell_jax import config as C
-from twell_jax import corpus, documents, hf, input_pipeline, metrics, overrides, sharding, train
+from twell_jax import (
+    config_io,
+    corpus,
+    documents,
+    hf,
+    input_pipeline,
+    metrics,
+    overrides,
+    sharding,
+    train,
+)
 from twell_jax import tokenizer as tokenizer_lib
 from twell_jax.hf import init as hf_init
 
 pytest.importorskip("safetensors")
 pytest.importorskip("tokenizers")
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "hf_tiny"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "hf_tiny"
 GQA, TIED, SILU = (FIXTURES / n for n in ("relu_gqa", "relu_tied", "silu_tied"))
 # fp32 compute on both sides; the same batch through the same function.
 LOSS_RTOL = 1e-5
@@ -129,7 +139,7 @@ def test_the_first_step_loss_is_the_hf_models(fresh, char_corpus):
     """Step 1's CE is computed on the step-0 parameters: it must be the HF model's CE on
     the run's first batch, and far from a random init's (so the check can fail)."""
     workdir, src = fresh
-    cfg = C.train_config_from_dict(json.loads((workdir / "config.json").read_text()))
+    cfg = config_io.train_config_from_dict(json.loads((workdir / "config.json").read_text()))
     data = input_pipeline.DataConfig(char_corpus, seq_len=16, batch_size=2, seed=cfg.seed)
     batch = next(input_pipeline.make_train_iterator(data))
     hf_cfg, hf_params = hf.load_checkpoint(src, dtype="float32", seq_len=16)
