@@ -99,7 +99,8 @@ def measure(shape: LayerShape, l0_grid=L0_GRID, reps: int = 10, warmup: int = 3)
     Returns:
       {"shape", "device", "l0_grid", "patterns": {pattern: {"l0", "dense_ms",
       "sparse_ms", "ratio"}}, "ratio_geomean", "cutoff", "cutoffs" (per pattern),
-      "max_regret" (`max_regret` at the cutoff)}.
+      "max_regret" (`max_regret` at the cutoff), "max_regret_between"
+      (`max_regret_between` at the cutoff)}.
     """
     sparse = _step_fn(lambda x, w: ffn.sparse(x, w, shape.ell_width))
     dense = _step_fn(ffn.dense_counted)
@@ -137,6 +138,7 @@ def measure(shape: LayerShape, l0_grid=L0_GRID, reps: int = 10, warmup: int = 3)
         "cutoff": cutoff,
         "cutoffs": {p: crossover(grid, r["ratio"]) for p, r in per_pattern.items()},
         "max_regret": max_regret(per_pattern, cutoff),
+        "max_regret_between": max_regret_between(per_pattern, cutoff),
     }
 
 
@@ -149,6 +151,24 @@ def max_regret(per_pattern: dict, cutoff: float) -> float:
             chosen = s if l0 < cutoff else d
             worst = max(worst, chosen / min(d, s) - 1.0)
     return worst
+
+
+def max_regret_between(per_pattern: dict, cutoff: float, points: int = 256) -> float:
+    """`max_regret` between the measured points too: each pattern's sparse / dense ratio
+    interpolated linearly in (log l0, log ratio), as `crossover` does, and evaluated at
+    `points` l0 values spaced evenly in log l0 over the measured range. A pattern whose
+    own crossover lies away from `cutoff` is decided wrongly between the two, and its
+    worst case is at the cutoff, which the measured points alone do not see."""
+    worst = 0.0
+    for rec in per_pattern.values():
+        log_l0 = np.log(rec["l0"])
+        order = np.argsort(log_l0)
+        fine = np.linspace(log_l0.min(), log_l0.max(), points)
+        ratio = np.exp(np.interp(fine, log_l0[order], np.log(rec["ratio"])[order]))
+        sparse_chosen = fine < math.log(cutoff) if cutoff > 0 else np.zeros(points, bool)
+        slower = np.where(sparse_chosen, ratio, 1.0 / ratio)
+        worst = max(worst, float(np.max(slower)) - 1.0)
+    return max(worst, 0.0)
 
 
 def layer_shape(cfg: TrainConfig, tokens_per_device: int) -> LayerShape:
@@ -199,9 +219,12 @@ def resolve_cutoff(
                 json.dump(saved, f, indent=1)
             os.replace(tmp, path)
     cutoff = record["cutoff"]
+    between = record.get("max_regret_between")  # absent from older records
     logging.info(
         "per-layer switch: sparse below l0 %.1f at M=%d H=%d N=%d (worst case %.1f%% "
-        "slower than the faster branch on the measured patterns%s)",
-        cutoff, shape.m, shape.h, shape.n, 100 * record["max_regret"], f"; {path}" if path else "",
+        "slower than the faster branch on the measured patterns, %s between the measured "
+        "points%s)",
+        cutoff, shape.m, shape.h, shape.n, 100 * record["max_regret"],
+        "?" if between is None else f"{100 * between:.1f}%", f"; {path}" if path else "",
     )  # fmt: skip
     return dataclasses.replace(cfg, sparsity=dataclasses.replace(sp, sparse_l0_cutoff=cutoff))

@@ -40,6 +40,26 @@ def test_max_regret_counts_the_slower_choice():
     assert switch_cost.max_regret(per_pattern, 3.0) == pytest.approx(2.0 / 1.5 - 1)
 
 
+def test_max_regret_between_sees_the_wrong_side_of_each_patterns_own_crossover():
+    per_pattern = _record(8.0)  # ratio 0.625, 0.75, 1.0, 1.5 at l0 2, 4, 8, 16
+    assert switch_cost.max_regret_between(per_pattern, 8.0) == pytest.approx(0.0, abs=1e-9)
+    # A cutoff of 16 runs sparse up to l0 16, where the ratio reaches 1.5.
+    assert switch_cost.max_regret_between(per_pattern, 16.0) == pytest.approx(0.5, rel=0.02)
+    # Cutoff 4: dense from l0 4 on, where sparse would take 0.75 of the time.
+    assert switch_cost.max_regret_between(per_pattern, 4.0) == pytest.approx(1 / 0.75 - 1, rel=0.02)
+    # Between two measured points: cutoff 11.3 (log-midway 8 -> 16) runs sparse at
+    # ratio sqrt(1.5) there, which the measured points (none in (8, 11.3)) do not show.
+    assert switch_cost.max_regret(per_pattern, 11.3) == pytest.approx(0.0)
+    assert switch_cost.max_regret_between(per_pattern, 11.3) == pytest.approx(
+        1.5**0.5 - 1, rel=0.03
+    )
+    # Two patterns that cross at different l0: no cutoff is right for both.
+    other = {k: [v * 1.3 for v in vs] if k == "sparse_ms" or k == "ratio" else vs
+             for k, vs in per_pattern["uniform"].items()}  # fmt: skip
+    both = {**per_pattern, "skew": other}
+    assert switch_cost.max_regret_between(both, 8.0) > 0.25
+
+
 def _sparse_cfg(**sparsity):
     cfg = TrainConfig(model=dataclasses.replace(model_preset("tiny"), ffn_impl="sparse"))
     return dataclasses.replace(cfg, sparsity=dataclasses.replace(cfg.sparsity, **sparsity))
