@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the GPU test suite, then the benchmarks.
-#   bash experiments/gpu_check.sh [tests|kernel|train|model|train_model|energy|patterns|switch|captured|decode|train_memory|demo|l1_target|tune|train_tune|memory|quality|l1sweep|all]...
+#   bash experiments/gpu_check.sh [tests|kernel|train|model|train_model|energy|patterns|switch|captured|decode|train_memory|capacity|demo|l1_target|tune|train_tune|memory|quality|l1sweep|all]...
 # Results (JSON and logs) go to $OUT when set, else results/ (README.md, "Reproduce").
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -85,6 +85,12 @@ for what in "${@:-all}"; do
       python3 -m experiments.benchmark_memory --preset=2b --batch=8 --seq=2048 \
         --ffn_impls=dense,sparse --model_nnz=29 --out="$OUT/train_step_memory_2b_h200.json" \
         || status=1 ;;
+    capacity)  # the largest 2B micro-batch that fits, per FFN (one impl per call fits 10 min)
+      for impl in ${CAPACITY_IMPLS:-dense sparse}; do
+        python3 -m experiments.benchmark_memory --preset=2b --batch=64 --seq=2048 \
+          --ffn_impls="$impl" --model_nnz=29 --steps=2 --search_batch --search_step=8 \
+          --out="$OUT/train_step_capacity_2b_${impl}_h200.json" || status=1
+      done ;;
     demo)  # the 1B run and its dense twin (README "A real run"); needs data/stdlib_bpe8k
       mkdir -p "$OUT/1b_demo"
       for run in 1b_demo_dense 1b_demo; do
