@@ -45,11 +45,12 @@ def _chunk_logits(x_c: jax.Array, head: jax.Array) -> jax.Array:
     return jnp.einsum("bch,vh->bcv", x_c, head.astype(x_c.dtype)).astype(jnp.float32)
 
 
-def _nll_sum(logits: jax.Array, t_c: jax.Array) -> jax.Array:
-    """Sum over the chunk of -log softmax(logits)[target]. fp32 scalar."""
+def _nll_sum(logits: jax.Array, t_c: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(Sum over the chunk of -log softmax(logits)[target] (fp32 scalar), the
+    log-sum-exp per position [B, C])."""
     lse = jax.nn.logsumexp(logits, axis=-1)
     picked = jnp.take_along_axis(logits, t_c[..., None], axis=-1)[..., 0]
-    return jnp.sum(lse - picked)
+    return jnp.sum(lse - picked), lse
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -71,7 +72,7 @@ def cross_entropy(x: jax.Array, head: jax.Array, targets: jax.Array, chunk_token
 
     def body(total, xs):
         x_c, t_c = xs
-        return total + _nll_sum(_chunk_logits(x_c, head), t_c), None
+        return total + _nll_sum(_chunk_logits(x_c, head), t_c)[0], None
 
     xs = (_chunks(x, length), _chunks(targets, length))
     total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), xs)
@@ -87,9 +88,10 @@ def _cross_entropy_fwd(x, head, targets, chunk_tokens):
         total, d_head = carry
         x_c, t_c = xs
         logits = _chunk_logits(x_c, head_c)
-        total = total + _nll_sum(logits, t_c)
+        nll, lse = _nll_sum(logits, t_c)
+        total = total + nll
         # d(mean CE)/d logits, cast to the GEMM dtype as autodiff through the upcast does.
-        d_logits = jax.nn.softmax(logits, axis=-1)
+        d_logits = jnp.exp(logits - lse[..., None])
         d_logits = d_logits - jax.nn.one_hot(t_c, logits.shape[-1], dtype=jnp.float32)
         d_logits = (d_logits * inv_tokens).astype(x.dtype)
         d_x = jnp.einsum("bcv,vh->bch", d_logits, head_c)
