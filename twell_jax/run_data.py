@@ -49,8 +49,8 @@ def run_data_dir(workdir: str | Path, data_dir: str | None = None) -> str:
     """The corpus of the run in `workdir`: `data_dir` when given, else its data.json's.
 
     Raises:
-      FileNotFoundError: no `data_dir` and the run has no data.json (written by runs since
-        it exists): name the corpus.
+      FileNotFoundError: no `data_dir`, and the run has no data.json (written by runs
+        since it exists) or the corpus it names is not on this machine: name the corpus.
       ValueError: `data_dir`'s tokenizer is not the one the run trained with.
     """
     path = Path(workdir) / DATA_FILE
@@ -58,6 +58,11 @@ def run_data_dir(workdir: str | Path, data_dir: str | None = None) -> str:
     if data_dir is None:
         if record is None:
             raise FileNotFoundError(f"{path}: the run does not record its corpus; name it")
+        if not Path(record["data_dir"]).is_dir():
+            raise FileNotFoundError(
+                f"{workdir} trained on {record['data_dir']}, which is not here: name a "
+                f"copy of that corpus (its tokenizer fingerprint is checked)"
+            )
         return record["data_dir"]
     if record is not None:
         from twell_jax import corpus

@@ -271,3 +271,10 @@ def test_a_run_records_its_corpus_and_readers_check_a_given_one(tmp_path, finish
     with pytest.raises(FileNotFoundError, match="does not record its corpus"):
         run_data.run_data_dir(bare)
     assert run_data.run_data_dir(bare, str(other)) == str(other)  # nothing to check against
+    moved = _copy(finished, tmp_path / "moved")
+    record = json.loads((moved / run_data.DATA_FILE).read_text())
+    record["data_dir"] = str(tmp_path / "elsewhere")
+    (moved / run_data.DATA_FILE).write_text(json.dumps(record))
+    with pytest.raises(FileNotFoundError, match="elsewhere, which is not here"):
+        run_data.run_data_dir(moved)
+    assert run_data.run_data_dir(moved, data_dir) == data_dir  # a copy, same fingerprint
