@@ -79,6 +79,13 @@ flags.DEFINE_string(
     "synthetic --model_presets, on the run's batches of its own corpus (its data.json, "
     "or --model_data_dir) (--train_model_batch sequences per step, the run's seq_len).",
 )
+flags.DEFINE_bool(
+    "train_model_run_switch",
+    False,
+    "With --train_model_workdir: the sparse step runs each layer as the run's switch "
+    "would (sparse where its l0 on the first batch is below the run's cutoff); else "
+    "every layer runs sparse.",
+)
 flags.DEFINE_list("model_compressions", ["2", "8"], "TwELL compressions C of --mode=model.")
 flags.DEFINE_list(
     "model_workdirs",
@@ -200,6 +207,7 @@ def _train_model(meter) -> list[dict]:
                 batch=FLAGS.train_model_batch,
                 reps=FLAGS.reps,
                 meter=meter,
+                run_switch=FLAGS.train_model_run_switch,
             )
         ]
     return benchmark_train_model.run(

@@ -23,7 +23,8 @@ One step is one micro-batch of `batch` x `seq` tokens (the paper's per-GPU micro
 is 8 x 2048, with gradient checkpointing, as in the presets).
 
 `run_trained` times the same two steps on a pretrain checkpoint's weights and the
-run's own batches instead (`--train_model_workdir`). With an energy meter
+run's own batches instead (`--train_model_workdir`), with every layer sparse or, with
+`--train_model_run_switch`, each layer where the run's own cutoff puts it. With an energy meter
 (`twell_jax.energy.EnergyMeter`, `--energy`) each record also gives the joules per token
 of each chain over its timed steps.
 """
@@ -107,6 +108,7 @@ def _record(metrics: dict[str, list], timing: dict, n_tokens: int) -> dict:
         "first_loss_sparse": first["sparse"]["loss"],
         "first_grad_norm_dense": first["dense"]["grad_norm"],
         "first_grad_norm_sparse": first["sparse"]["grad_norm"],
+        "sparse_layers_first": int(np.sum(first["sparse"]["use_sparse"])),
         "sparse_layers_last": int(np.sum(last["sparse"]["use_sparse"])),
         "tail_rows_total": int(sum(np.sum(m["tail_rows"]) for m in sparse_calls)),
         "dense_fallback_total": int(sum(np.sum(m["dense_fallback"]) for m in sparse_calls)),
@@ -221,11 +223,15 @@ def run(
     return records
 
 
-def _trained_config(run_cfg: TrainConfig, impl: str, batch: int) -> TrainConfig:
+def _trained_config(
+    run_cfg: TrainConfig, impl: str, batch: int, run_switch: bool = False
+) -> TrainConfig:
     """The run's config for one timed chain: `impl` FFNs, one micro-batch of `batch`
     sequences per step, lr FROZEN_LR, the run's lambda from the first step, no dead-row
-    re-init, and (sparse) a switch cutoff above d_ff, so every layer stays sparse."""
+    re-init, and (sparse) a switch cutoff above d_ff, so every layer stays sparse, or
+    with `run_switch` the run's own cutoff."""
     sp = run_cfg.sparsity
+    cutoff = sp.sparse_l0_cutoff if run_switch else float(run_cfg.model.d_ff + 1)
     return dataclasses.replace(
         run_cfg,
         model=dataclasses.replace(run_cfg.model, ffn_impl=impl),
@@ -235,7 +241,7 @@ def _trained_config(run_cfg: TrainConfig, impl: str, batch: int) -> TrainConfig:
             sp,
             l1_warmup_steps=0,
             reinit_dead_every=0,
-            sparse_l0_cutoff=float(run_cfg.model.d_ff + 1),
+            sparse_l0_cutoff=cutoff,
         ),
     )
 
@@ -247,8 +253,13 @@ def run_trained(
     reps: int = 10,
     warmup: int = 2,
     meter=None,
+    run_switch: bool = False,
 ) -> dict:
     """Training-step tokens/ms of a pretrain checkpoint, dense and sparse FFNs, on its data.
+
+    With `run_switch` the sparse chain runs each layer as the run's own switch would:
+    on the sparse kernels where the layer's l0 on the first batch (one dense step) is
+    below the run's cutoff, dense elsewhere; otherwise every layer runs sparse.
 
     The weights (fp32 masters) and the config are the newest checkpoint's
     (`pretrain_run.load_params`); the steps are the run's model at its seq_len, each
@@ -283,12 +294,18 @@ def run_trained(
     steps, states = {}, {}
     for impl in IMPLS:
         steps[impl], states[impl] = train_step_and_state(
-            _trained_config(run_cfg, impl, batch), mesh, params
+            _trained_config(run_cfg, impl, batch, run_switch), mesh, params
         )
     del params
+    cutoff = run_cfg.sparsity.sparse_l0_cutoff
+    if run_switch:
+        # The step may donate its state: keep the one it returns (lr FROZEN_LR).
+        states["dense"], probe = steps["dense"](states["dense"], batches[0])
+        use = np.asarray(probe["l0"]) < cutoff
+        on = jax.device_put(jnp.asarray(use), states["sparse"].use_sparse.sharding)
+        states["sparse"] = dataclasses.replace(states["sparse"], use_sparse=on)
     measured = _time_chains(steps, states, batches, warmup, reps, meter)
     del states
-    cutoff = run_cfg.sparsity.sparse_l0_cutoff
     record = {
         "workdir": str(workdir),
         "step": step,
@@ -300,6 +317,7 @@ def run_trained(
         "l1_coef": run_cfg.sparsity.l1_coef,
         "run_l0_cutoff": cutoff,
         "run_cutoff_sparse_layers": sum(v < cutoff for v in measured["sparse_l0_per_layer"]),
+        "run_switch": run_switch,
         **measured,
     }
     print(record, flush=True)

@@ -3,6 +3,7 @@ its joules per token, on CPU: a 2-layer run of the real trainer (sparse FFNs, 8 
 is timed dense against sparse on its own batches, with a fake NVML board
 (tests/fake_pynvml.py) behind the energy meter."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -74,6 +75,24 @@ def test_trained_checkpoint_is_timed_on_its_batches_with_energy(run, monkeypatch
     assert rec["energy_ratio"] == pytest.approx(
         rec["dense_joules_per_token"] / rec["sparse_joules_per_token"]
     )
+
+
+def test_run_switch_keeps_the_layers_the_run_would_run_dense(run, monkeypatch):
+    """A run cutoff of 0 puts every layer on the dense branch of the sparse model."""
+    from experiments import pretrain_run
+
+    workdir, data_dir, _ = run
+    load = pretrain_run.load_params
+
+    def no_sparse_layers(path):
+        cfg, params, step = load(path)
+        sp = dataclasses.replace(cfg.sparsity, sparse_l0_cutoff=0.0)
+        return dataclasses.replace(cfg, sparsity=sp), params, step
+
+    monkeypatch.setattr(pretrain_run, "load_params", no_sparse_layers)
+    rec = benchmark_train_model.run_trained(workdir, data_dir, batch=2, reps=2, run_switch=True)
+    assert rec["run_switch"] and rec["sparse_layers_first"] == rec["sparse_layers_last"] == 0
+    assert rec["first_loss_sparse"] == pytest.approx(rec["first_loss_dense"], rel=1e-2)
 
 
 @pytest.mark.slow
