@@ -39,10 +39,11 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from experiments import bench_util as bu
 from experiments import pretrain_run
-from twell_jax import corpus, input_pipeline, sharding, train
+from twell_jax import corpus, input_pipeline, sharding, sparsity, train
 from twell_jax.config import OptimConfig, SparsityConfig, TrainConfig, model_preset
 from twell_jax.overrides import with_overrides
 from twell_jax.synthetic import synthetic_sparse_params
@@ -246,6 +247,17 @@ def _trained_config(
     )
 
 
+def _run_switch_state(run_cfg: TrainConfig, state: train.TrainState, batch: dict):
+    """`state` with the layers on the sparse kernels that the run's switch would put
+    there for `batch`: its rule (`sparsity.next_use_sparse` at a recheck step) on each
+    layer's l0 from a forward of the dense FFNs (no step, so no chain moves)."""
+    graphdef = train.model_graphdef(dataclasses.replace(run_cfg.model, ffn_impl="dense"))
+    forward = jax.jit(lambda p, t: nnx.merge(graphdef, p).hidden_states(t)[1]["l0"])
+    l0 = forward(state.params, batch["inputs"])
+    use = sparsity.next_use_sparse(0, l0, state.use_sparse, run_cfg.sparsity)
+    return dataclasses.replace(state, use_sparse=jax.device_put(use, state.use_sparse.sharding))
+
+
 def run_trained(
     workdir: str | Path,
     data_dir: str | Path,
@@ -299,11 +311,7 @@ def run_trained(
     del params
     cutoff = run_cfg.sparsity.sparse_l0_cutoff
     if run_switch:
-        # The step may donate its state: keep the one it returns (lr FROZEN_LR).
-        states["dense"], probe = steps["dense"](states["dense"], batches[0])
-        use = np.asarray(probe["l0"]) < cutoff
-        on = jax.device_put(jnp.asarray(use), states["sparse"].use_sparse.sharding)
-        states["sparse"] = dataclasses.replace(states["sparse"], use_sparse=on)
+        states["sparse"] = _run_switch_state(run_cfg, states["sparse"], batches[0])
     measured = _time_chains(steps, states, batches, warmup, reps, meter)
     del states
     record = {
