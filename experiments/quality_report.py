@@ -71,10 +71,10 @@ def table(runs: dict[str, dict], baseline: str | None) -> str:
     """Markdown rows, one per run; CE and tokens/s are also given relative to `baseline`'s."""
     base = runs[baseline] if baseline else None
 
-    def rel(s: dict, key: str, fmt: str) -> str:
+    def rel(s: dict, key: str, fmt: str, unit: str = "") -> str:
         if not base or not s[key] or not base[key]:
             return "—"
-        return format(s[key] / base[key] - (1 if fmt.endswith("%") else 0), fmt)
+        return format(s[key] / base[key] - (1 if fmt.endswith("%") else 0), fmt) + unit
 
     lines = [
         "| run | λ (L1) | steps | val CE | vs baseline | l0 / token / layer | sparsity "
@@ -90,9 +90,9 @@ def table(runs: dict[str, dict], baseline: str | None) -> str:
             f"| {name} | {s['l1_coef']:g} | {s['step']} | {s['val_ce']:.4f} | "
             f"{rel(s, 'val_ce', '+.2%')} | {s['l0_mean']:.1f} | "
             f"{100 * s['sparsity_mean']:.2f}% | {100 * s['alive_mean']:.1f}% | {tps} | "
-            f"{rel(s, 'tokens_per_s', '.3f')}x | {mj} | {sparse_from} |"
+            f"{rel(s, 'tokens_per_s', '.3f', 'x')} | {mj} | {sparse_from} |"
         )
-    return "\n".join(lines).replace("—x |", "— |")
+    return "\n".join(lines)
 
 
 def plot(runs: dict[str, list[dict]], path: str | os.PathLike) -> None:
