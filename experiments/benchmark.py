@@ -227,8 +227,9 @@ def main(argv):
     del argv
     tokens = [int(t) for t in FLAGS.tokens]
     h, n, c = FLAGS.d_model, FLAGS.d_ff, FLAGS.compression
-    args = (h, n, c, FLAGS.reps, FLAGS.warmup, FLAGS.inner)
-    gates = {"pattern": FLAGS.pattern, "sigma": FLAGS.pattern_sigma}
+    bench = benchmark_kernel.KernelBench(
+        h, n, c, FLAGS.reps, FLAGS.warmup, FLAGS.inner, FLAGS.pattern, FLAGS.pattern_sigma
+    )
     result = {
         "mode": FLAGS.mode,
         "command": " ".join(["python -m experiments.benchmark", *sys.argv[1:]]),
@@ -251,13 +252,11 @@ def main(argv):
         result["cases"] = []
         for m in tokens:
             for nnz in FLAGS.nnz:
-                result["cases"].append(benchmark_kernel.kernel_case(m, float(nnz), *args, **gates))
+                result["cases"].append(benchmark_kernel.kernel_case(m, float(nnz), bench))
                 print(json.dumps(result["cases"][-1]), flush=True)
         result["sweep"] = []
         for nnz in FLAGS.sweep_nnz:
-            result["sweep"].append(
-                benchmark_kernel.sweep_case(max(tokens), float(nnz), *args, **gates)
-            )
+            result["sweep"].append(benchmark_kernel.sweep_case(max(tokens), float(nnz), bench))
             print(json.dumps(result["sweep"][-1]), flush=True)
     elif FLAGS.mode == "train" and FLAGS.pattern == "captured":
         result["cases"] = benchmark_train.run_captured(
@@ -364,11 +363,10 @@ def main(argv):
     else:
         result["tune"] = benchmark_tune.tune(
             max(tokens),
-            *args,
+            bench,
             d2t_specs=FLAGS.tune_d2t_cfg,
             pack_specs=FLAGS.tune_pack_cfg,
             t2d_specs=FLAGS.tune_t2d_cfg,
-            **gates,
         )
     if FLAGS.out:
         with open(FLAGS.out, "w") as f:

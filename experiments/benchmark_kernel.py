@@ -4,6 +4,8 @@ sweep."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -20,21 +22,37 @@ def _gemm_tflops(m: int, h: int, n: int, n_gemms: int, ms: float) -> float:
     return 2.0 * m * h * n * n_gemms / (ms * 1e-3) / 1e12
 
 
-def kernel_case(
-    m: int,
-    nnz: float,
-    h: int,
-    n: int,
-    c: int,
-    reps: int,
-    warmup: int,
-    inner: int,
-    pattern: str = "uniform",
-    sigma: float = 1.0,
-) -> dict:
-    """One (M, density) point on synthetic gates of `pattern`: every kernel and both
-    MLPs, sparse and dense."""
-    x, wg, wu, wd = synthetic_mlp(m, h, n, nnz, pattern=pattern, sigma=sigma)
+@dataclasses.dataclass(frozen=True)
+class KernelBench:
+    """What every point of --mode=kernel and --mode=tune shares: the MLP's H and N,
+    TwELL's compression C, the timing (samples, warm-up calls, back-to-back calls per
+    sample) and the synthetic gates' pattern and its sigma."""
+
+    h: int
+    n: int
+    c: int
+    reps: int
+    warmup: int
+    inner: int
+    pattern: str = "uniform"
+    sigma: float = 1.0
+
+    @property
+    def timing(self) -> dict[str, int]:
+        """`bench_util.time_fn`'s warmup, reps and inner."""
+        return {"warmup": self.warmup, "reps": self.reps, "inner": self.inner}
+
+    def mlp(self, m: int, nnz: float):
+        """(x [M, H], w_gate, w_up, w_down [N, H]) bf16 with ~`nnz` positive gates per row."""
+        return synthetic_mlp(m, self.h, self.n, nnz, pattern=self.pattern, sigma=self.sigma)
+
+
+def kernel_case(m: int, nnz: float, bench: KernelBench) -> dict:
+    """One (M, density) point on `bench`'s synthetic gates: every kernel and both MLPs,
+    sparse and dense."""
+    h, n, c = bench.h, bench.n, bench.c
+    reps, warmup, inner = bench.reps, bench.warmup, bench.inner
+    x, wg, wu, wd = bench.mlp(m, nnz)
     timed = lambda f, *a: bu.time_fn(f, *a, warmup=warmup, reps=reps, inner=inner)["median_ms"]
     single = lambda f, *a: bu.time_fn(f, *a, warmup=warmup, reps=reps)["median_ms"]
 
@@ -111,25 +129,15 @@ def kernel_case(
     return r
 
 
-def sweep_case(
-    m: int,
-    nnz: float,
-    h: int,
-    n: int,
-    c: int,
-    reps: int,
-    warmup: int,
-    inner: int,
-    pattern: str = "uniform",
-    sigma: float = 1.0,
-) -> dict:
+def sweep_case(m: int, nnz: float, bench: KernelBench) -> dict:
     """Whole gated MLP only, for the density crossover."""
-    x, wg, wu, wd = synthetic_mlp(m, h, n, nnz, pattern=pattern, sigma=sigma)
+    c = bench.c
+    x, wg, wu, wd = bench.mlp(m, nnz)
     twell_gated = jax.jit(
         lambda *a: twell_op.twell_gated_mlp(*a, compression=c, impl="pallas", return_stats=True)
     )
     _, stats = twell_gated(x, wg, wu, wd)
-    timing = {"warmup": warmup, "reps": reps, "inner": inner}
+    timing = bench.timing
     dense = bu.time_fn(jax.jit(reference.gated_mlp), x, wg, wu, wd, **timing)
     sparse = bu.time_fn(twell_gated, x, wg, wu, wd, **timing)
     return {

@@ -11,12 +11,12 @@ import jax
 from absl import logging
 
 from experiments import bench_util as bu
+from experiments.benchmark_kernel import KernelBench
 from pallas_kernels import baselines, reference
 from pallas_kernels._gather import RowLaunch
 from pallas_kernels.twell import pack as pack_mod
 from pallas_kernels.twell import t2d as t2d_mod
 from pallas_kernels.twell.config import PackConfig, T2DConfig
-from twell_jax.synthetic import synthetic_mlp
 
 
 def _ints(spec: str) -> tuple[int, ...]:
@@ -47,30 +47,18 @@ def _time_configs(kind: str, cfgs, make_fn, args, warmup: int, reps: int, inner:
     return rows
 
 
-def tune(
-    m: int,
-    h: int,
-    n: int,
-    c: int,
-    reps: int,
-    warmup: int,
-    inner: int,
-    *,
-    d2t_specs,
-    pack_specs,
-    t2d_specs,
-    pattern: str = "uniform",
-    sigma: float = 1.0,
-) -> dict:
-    """Launches of the pack kernel, the fused D2T baseline and GatedT2D at ~29 nnz per row.
+def tune(m: int, bench: KernelBench, *, d2t_specs, pack_specs, t2d_specs) -> dict:
+    """Launches of the pack kernel, the fused D2T baseline and GatedT2D at ~29 nnz per row
+    of `bench`'s synthetic gates.
 
-    The specs are --tune_d2t_cfg, --tune_pack_cfg and --tune_t2d_cfg strings;
-    pattern and sigma those of the synthetic gates (`synthetic_mlp`).
+    The specs are --tune_d2t_cfg, --tune_pack_cfg and --tune_t2d_cfg strings.
     """
-    x, wg, wu, wd = synthetic_mlp(m, h, n, 29, pattern=pattern, sigma=sigma)
+    c = bench.c
+    x, wg, wu, wd = bench.mlp(m, 29)
+    timing = bench.timing
     gate = jax.jit(reference.hidden)
-    gemm_ms = bu.time_fn(gate, x, wg, warmup=warmup, reps=reps, inner=inner)["median_ms"]
-    timed = functools.partial(_time_configs, warmup=warmup, reps=reps, inner=inner)
+    gemm_ms = bu.time_fn(gate, x, wg, **timing)["median_ms"]
+    timed = functools.partial(_time_configs, **timing)
     d2t_rows = timed(
         "d2t",
         [baselines.D2TConfig(*_ints(spec)) for spec in d2t_specs],
