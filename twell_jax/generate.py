@@ -47,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from twell_jax import lm_loss
 from twell_jax.config import ModelConfig
 from twell_jax.model import check_token_ids, rope_angles
 from twell_jax.train import model_graphdef
@@ -223,12 +224,6 @@ def _attention_mask(query_slots: jax.Array, pad: jax.Array, t: int) -> jax.Array
     return ((keys <= q) & real)[:, None]
 
 
-def _logits(model, x: jax.Array) -> jax.Array:
-    """LM head of hidden states [B, H] -> fp32 [B, V], as `Transformer.__call__` computes it."""
-    head = model.embed if model.cfg.tie_embeddings else model.lm_head
-    return jnp.einsum("bh,vh->bv", x, head[...].astype(x.dtype)).astype(jnp.float32)
-
-
 def _embed(model, tokens: jax.Array) -> jax.Array:
     return jnp.take(model.embed[...], tokens, axis=0).astype(model.cfg.compute_dtype)
 
@@ -266,7 +261,7 @@ def _compiled(
             model, params["blocks"], _embed(model, tokens), cos, sin, cache, cache, 0, mask
         )
         key, sub = jax.random.split(key)
-        first = sample(_logits(model, x[:, -1]), sub, sampling)
+        first = sample(lm_loss.logits(x[:, -1], model.head_weight()), sub, sampling)
         state = DecodeState(
             cache_k=cache_k,
             cache_v=cache_v,
@@ -298,7 +293,7 @@ def _compiled(
             mask,
         )
         key, sub = jax.random.split(state.key)
-        token = sample(_logits(model, x[:, 0]), sub, sampling)
+        token = sample(lm_loss.logits(x[:, 0], model.head_weight()), sub, sampling)
         state = dataclasses.replace(state, cache_k=cache_k, cache_v=cache_v, key=key)
         return _record(state, token, stop)
 

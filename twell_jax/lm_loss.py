@@ -39,17 +39,17 @@ def _unchunk(a: jax.Array) -> jax.Array:
     return jnp.moveaxis(a, 0, 1).reshape(b, n * length, *a.shape[3:])
 
 
-def _chunk_logits(x_c: jax.Array, head: jax.Array) -> jax.Array:
-    """[B, C, H] compute dtype x [V, H] -> [B, C, V] fp32: a GEMM in the compute dtype,
-    upcast for the softmax (as HF Llama does)."""
-    return jnp.einsum("bch,vh->bcv", x_c, head.astype(x_c.dtype)).astype(jnp.float32)
+def logits(x: jax.Array, head: jax.Array) -> jax.Array:
+    """The LM head: [..., H] compute dtype x [V, H] -> [..., V] fp32, a GEMM in the
+    compute dtype (as in twell_jax/ffn.py), upcast for the softmax (as HF Llama does)."""
+    return jnp.einsum("...h,vh->...v", x, head.astype(x.dtype)).astype(jnp.float32)
 
 
-def _nll_sum(logits: jax.Array, t_c: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(Sum over the chunk of -log softmax(logits)[target] (fp32 scalar), the
-    log-sum-exp per position [B, C])."""
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    picked = jnp.take_along_axis(logits, t_c[..., None], axis=-1)[..., 0]
+def _nll_sum(z: jax.Array, t_c: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(Sum over the chunk of -log softmax(z)[target] (fp32 scalar), the log-sum-exp
+    per position [B, C]) of logits z [B, C, V]."""
+    lse = jax.nn.logsumexp(z, axis=-1)
+    picked = jnp.take_along_axis(z, t_c[..., None], axis=-1)[..., 0]
     return jnp.sum(lse - picked), lse
 
 
@@ -72,7 +72,7 @@ def cross_entropy(x: jax.Array, head: jax.Array, targets: jax.Array, chunk_token
 
     def body(total, xs):
         x_c, t_c = xs
-        return total + _nll_sum(_chunk_logits(x_c, head), t_c)[0], None
+        return total + _nll_sum(logits(x_c, head), t_c)[0], None
 
     xs = (_chunks(x, length), _chunks(targets, length))
     total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), xs)
@@ -87,12 +87,12 @@ def _cross_entropy_fwd(x, head, targets, chunk_tokens):
     def body(carry, xs):
         total, d_head = carry
         x_c, t_c = xs
-        logits = _chunk_logits(x_c, head_c)
-        nll, lse = _nll_sum(logits, t_c)
+        z = logits(x_c, head_c)
+        nll, lse = _nll_sum(z, t_c)
         total = total + nll
         # d(mean CE)/d logits, cast to the GEMM dtype as autodiff through the upcast does.
-        d_logits = jnp.exp(logits - lse[..., None])
-        d_logits = d_logits - jax.nn.one_hot(t_c, logits.shape[-1], dtype=jnp.float32)
+        d_logits = jnp.exp(z - lse[..., None])
+        d_logits = d_logits - jax.nn.one_hot(t_c, z.shape[-1], dtype=jnp.float32)
         d_logits = (d_logits * inv_tokens).astype(x.dtype)
         d_x = jnp.einsum("bcv,vh->bch", d_logits, head_c)
         d_head = d_head + jnp.einsum(

@@ -41,7 +41,7 @@ import numpy as np
 from flax import nnx
 
 import pallas_kernels
-from twell_jax import ffn, sharding
+from twell_jax import ffn, lm_loss, sharding
 from twell_jax.config import ModelConfig
 
 Stats = dict[str, jax.Array]
@@ -332,9 +332,7 @@ class Transformer(nnx.Module):
           gives `l0`, `max_tile_count`, `overflow_tiles`, each [L], instead.
         """
         x, stats = self.hidden_states(tokens, use_sparse)
-        # bf16 GEMM (as in twell_jax/ffn.py), upcast for the softmax, as HF Llama does.
-        logits = jnp.einsum("bsh,vh->bsv", x, self.head_weight().astype(x.dtype))
-        return logits.astype(jnp.float32), stats
+        return lm_loss.logits(x, self.head_weight()), stats
 
     def head_weight(self) -> jax.Array:
         """The LM head [V, H] in the parameter dtype: the embedding when tied."""
