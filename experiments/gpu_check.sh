@@ -102,8 +102,6 @@ for what in "${@:-all}"; do
       python3 -m experiments.quality_report --baseline="$OUT/1b_demo/dense.jsonl" \
         "$OUT/1b_demo/sparse.jsonl" --plot="$OUT/1b_demo/curves.png" || status=1
       python3 -m experiments.benchmark --mode=train_model --train_model_workdir=runs/1b_demo \
-        --reps=8 --energy --out="$OUT/1b_demo/train_model_1b_demo_h200.json" || status=1
-      python3 -m experiments.benchmark --mode=train_model --train_model_workdir=runs/1b_demo \
         --reps=8 --energy --train_model_run_switch \
         --out="$OUT/1b_demo/train_model_1b_demo_run_switch_h200.json" || status=1 ;;
     l1_target)  # 125M runs with the L1 penalty on the FFN weights, at each L1_SWEEP lambda
