@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import collections
+import glob
+import gzip
+import json
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -191,3 +196,43 @@ def errors(out: jax.Array, ref: jax.Array) -> dict:
         "max_rel_err": float(jnp.max(jnp.abs(o - r)) / scale),
         "norm_rel_err": float(jnp.linalg.norm(o - r) / jnp.maximum(jnp.linalg.norm(r), 1e-30)),
     }
+
+
+def kernel_table(events: list[dict], calls: int) -> dict[str, dict]:
+    """Device kernels of a profiler trace (Chrome trace events): name -> {"per_call":
+    launches per call, "mean_us": mean duration}, over `calls` calls, longest total first.
+
+    Only complete ("X") events of processes whose name mentions a GPU count: the host
+    side of the same trace (Python, XLA's dispatch) is not kernel time."""
+    names = {
+        e["pid"]: e.get("args", {}).get("name", "")
+        for e in events
+        if e.get("ph") == "M" and e.get("name") == "process_name"
+    }
+    total = collections.defaultdict(lambda: [0, 0.0])
+    for e in events:
+        if e.get("ph") == "X" and "GPU" in names.get(e.get("pid"), ""):
+            entry = total[e["name"]]
+            entry[0] += 1
+            entry[1] += float(e.get("dur", 0.0))
+    ranked = sorted(total.items(), key=lambda kv: -kv[1][1])
+    return {
+        name: {"per_call": count / calls, "mean_us": dur / count} for name, (count, dur) in ranked
+    }
+
+
+def kernel_times(fn, *args, calls: int = 5) -> dict[str, dict]:
+    """`kernel_table` of `calls` calls of `fn(*args)` after one warm-up, from a
+    jax.profiler trace (CUPTI on a GPU; {} where the trace has no device kernels)."""
+    jax.block_until_ready(fn(*args))
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp, create_perfetto_trace=True):
+            for _ in range(calls):
+                jax.block_until_ready(fn(*args))
+        files = glob.glob(f"{tmp}/**/*.trace.json.gz", recursive=True)
+        if not files:
+            return {}
+        with gzip.open(files[0]) as f:
+            trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    return kernel_table(events, calls)

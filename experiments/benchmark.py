@@ -113,6 +113,11 @@ flags.DEFINE_integer("d_ff", 5632, "N.")
 flags.DEFINE_integer("compression", 8, "TwELL compression C.")
 flags.DEFINE_list("decode_tokens", ["1", "8", "64", "512"], "Token counts M of --mode=decode.")
 flags.DEFINE_float("decode_nnz", 29.0, "Positive gate entries per token of --mode=decode.")
+flags.DEFINE_bool(
+    "decode_kernel_trace",
+    False,
+    "--mode=decode: also record each path's device kernels per layer (a profiler trace).",
+)
 flags.DEFINE_list("generate_batch", ["1", "8", "64"], "Prompts per batch of --mode=generate.")
 flags.DEFINE_integer("generate_prompt", 512, "Prompt tokens of --mode=generate.")
 flags.DEFINE_integer("generate_new", 256, "New tokens per prompt of --mode=generate.")
@@ -346,6 +351,7 @@ def main(argv):
                 compression=c,
                 config=with_overrides(DecodeConfig(), pairs),
                 warmup=FLAGS.warmup,
+                kernel_trace=FLAGS.decode_kernel_trace,
             )
     elif FLAGS.mode == "generate":
         from experiments import benchmark_generate

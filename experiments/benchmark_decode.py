@@ -69,8 +69,10 @@ def case(
     max_tokens: int = 64,
     warmup: int = 3,
     inner: int = 3,
+    kernel_trace: bool = False,
 ) -> dict:
-    """One M: ms, tokens/s and ratios of each path, the decode op's stats, the errors."""
+    """One M: ms, tokens/s and ratios of each path, the decode op's stats, the errors;
+    with kernel_trace also each path's device kernels per layer (`bu.kernel_times`)."""
     x, wg, wu, wd = _inputs(m, h, n, nnz, pattern, sigma, layers)
     opts = {"config": config, "max_tokens": max_tokens}
     fns = {
@@ -121,6 +123,14 @@ def case(
     for name, nbytes in bytes_per_layer.items():
         rec[f"{name}_bytes_per_layer"] = nbytes
         rec[f"{name}_gb_per_s"] = nbytes / (rec[f"{name}_ms"] * 1e-3) / 1e9
+    if kernel_trace:  # per layer: launches and mean µs of each kernel of one call
+        rec["kernels_per_layer"] = {
+            name: {
+                k: {"per_layer": v["per_call"] / layers, "mean_us": v["mean_us"]}
+                for k, v in bu.kernel_times(fn, x, wg, wu, wd).items()
+            }
+            for name, fn in fns.items()
+        }
     rec["ratios"] = timing["ratios"]  # median over rounds of time(a) / time(b)
     rec["speedup_sparse"] = rec["dense_ms"] / rec["sparse_ms"]
     if "twell" in fns:
@@ -146,7 +156,7 @@ def run(
       reps: timed rounds.
       pattern: "uniform", "skew" or "heavy_rows" (`twell_jax.synthetic.gate_pattern`).
       kwargs: `case`'s keywords (sigma, layers, compression, config, max_tokens,
-        warmup, inner).
+        warmup, inner, kernel_trace).
     """
     records = []
     for m in M_list:

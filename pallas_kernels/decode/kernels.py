@@ -1,17 +1,21 @@
 """The decode op's two Pallas-Triton kernels (docs/design.md §4.5).
 
-    up = gate_up(x, w_gate, w_up)            # one program per block of neurons
-    out = down(m, up, w_down)                # one program per H block (x splits)
+    part, counts, block_counts, bad = gate_up_down(x, w_gate, w_up, w_down)  # per neuron block
+    out = reduce_blocks(part, block_counts, bad)                            # per (row, H block)
 
-gate_up reads all of W_gate (the step's unavoidable bytes) and, per neuron block, the
-rows of W_up of neurons that fire for some token: a masked load of a row that no token
-needs moves no memory, and a block with no active neuron skips its up loop. Each block
-also lists its active neurons (a local compaction) and counts them. down gathers
-h[:, ids] and W_down[ids] chunk by chunk over the K active neurons only; a program
-finds the ids of a chunk from the block counts (slot t of the global list lies in the
-block whose running count first passes t), so no pass over [N] runs between the two
-kernels: an XLA compaction (jnp.nonzero) took as long as both kernels
-(docs/performance_notes.md, "Decode").
+gate_up_down reads all of W_gate (the step's unavoidable bytes) and, in a block of
+neurons where some token fires, only the rows of W_up and W_down of its firing
+neurons: the up product gathers the block's active rows (a compaction in registers),
+and the down product uses masked loads, which move no memory for masked-off rows. Each
+such block writes its fp32 share of the output, h_block W_down[block]; a block where
+nothing fires writes nothing. reduce_blocks adds the shares of the blocks that fired,
+in block order (deterministic), and rounds once to bf16.
+
+Why this shape: every phase after the gate waits on a memory round trip, and at
+decode sizes those round trips, not bytes, set the time. A down kernel that looked up
+each chunk of active ids from the block counts took 7.5 µs at M = 1 and 19.5 µs at
+M = 8, against 2-3 µs for the block shares and their sum (docs/performance_notes.md,
+"Decode").
 
 Shapes: x [M, H] bf16 with M <= 64 (padded inside to Mp = max(16, 2^ceil(log2 M))
 rows, the smallest tensor-core tile); weights [N, H] bf16 (w_down is down_proj
@@ -43,36 +47,34 @@ MAX_TOKENS = 64
 class DecodeConfig:
     """Launches of the two kernels (static arguments of the op).
 
-    block_n: neurons per gate_up program; block_k: H columns per step of its loops.
-    block_h: output columns per down program; chunk: active neurons gathered per step.
-      block_k shrinks for larger M so the pipelined tiles fit in shared memory.
-    splits: down programs per H block, each summing every splits-th chunk into its own
-      fp32 partial (added by XLA); 1 writes the output directly. More splits help when
-      many neurons are active (larger M), fewer when few are; 0 picks by M (`splits_for`).
+    block_n: neurons per gate_up_down program; block_k: H columns per step of its gate
+      and up loops (shrunk for larger M so the pipelined tiles fit in shared memory);
+      group: active neurons gathered per step of its up loop; block_h: H columns per
+      step of its down loop (shrunk, like block_k, where the tiles would not fit).
+    reduce_h: output columns per reduce_blocks program.
     """
 
     block_n: int = 64
     block_k: int = 256
+    group: int = 16
+    block_h: int = 256
     gate_warps: int = 4
     gate_stages: int = 3
-    block_h: int = 64
-    chunk: int = 64
-    splits: int = 0
-    down_warps: int = 4
-    down_stages: int = 2
+    reduce_h: int = 64
+    reduce_warps: int = 4
 
     def unsupported(self, h: int, n: int) -> str | None:
         """Why these launches cannot run d_model H and d_ff N, or None."""
-        for field in ("block_n", "block_k", "block_h", "chunk", "gate_warps", "down_warps"):
+        fields = ("block_n", "block_k", "group", "block_h", "reduce_h", "gate_warps",
+                  "reduce_warps")  # fmt: skip
+        for field in fields:
             if not tr.is_pow2(getattr(self, field)):
                 return f"DecodeConfig.{field}={getattr(self, field)} must be a power of two"
-        if min(self.block_n, self.block_k, self.block_h, self.chunk) < 16:
+        if min(self.block_n, self.block_k, self.group, self.block_h) < 16:
             return "DecodeConfig block sizes must be >= 16 (tensor-core tiles)"
-        if self.splits < 0:
-            return f"DecodeConfig.splits={self.splits} must be >= 0 (0: by M)"
         if n % self.block_n:
             return f"N={n} is not a multiple of DecodeConfig.block_n={self.block_n}"
-        for field in ("block_k", "block_h"):
+        for field in ("block_k", "block_h", "reduce_h"):
             if h % getattr(self, field):
                 return f"H={h} is not a multiple of DecodeConfig.{field}={getattr(self, field)}"
         return None
@@ -83,33 +85,41 @@ def padded_rows(m: int) -> int:
     return max(16, tr.next_pow2(m))
 
 
-def splits_for(cfg: DecodeConfig, mp: int) -> int:
-    """cfg.splits, or for 0: 1 at Mp = 16 (a few chunks), Mp / 16 above."""
-    return cfg.splits or mp // 16
-
-
-# Shared memory the pipelined gate_up tiles may take (of 227 KB per H100 / H200 SM).
+# Shared memory the pipelined gate tiles may take (of 227 KB per H100 / H200 SM).
 _SMEM_BYTES = 160 * 1024
 
 
+# ... and, with the down loop's stages of W_down tiles, the whole kernel: at Mp = 64 the
+# defaults need 224 KB, and block_h = 512 failed to launch (320 KB).
+_SMEM_TOTAL_BYTES = 220 * 1024
+
+
 def _fit_block_k(cfg: DecodeConfig, mp: int) -> int:
-    """block_k halved until the gate_up loop's stages of x and weight tiles fit."""
+    """block_k halved until the gate loop's stages of x and weight tiles fit."""
     bk = cfg.block_k
     while bk > 16 and cfg.gate_stages * (mp + cfg.block_n) * bk * 2 > _SMEM_BYTES:
         bk //= 2
     return bk
 
 
-class GateUp(NamedTuple):
-    """gate_up's outputs. h bf16 [Mp, N] (0 for inactive neurons and padding rows);
-    counts int32 [N]: tokens with a non-zero (or NaN) gate per neuron; ids int32 [N]:
-    block b's active neurons at b * block_n + [0, block_counts[b]), ascending;
-    block_counts int32 [N / block_n]; bad int32 [Mp]: 1 for a row of x that is not
+def _fit_block_h(cfg: DecodeConfig, mp: int) -> int:
+    """block_h halved until the gate and down loops' pipelined tiles fit together."""
+    gate = cfg.gate_stages * (mp + cfg.block_n) * _fit_block_k(cfg, mp) * 2
+    bh = cfg.block_h
+    while bh > 16 and gate + cfg.gate_stages * cfg.block_n * bh * 2 > _SMEM_TOTAL_BYTES:
+        bh //= 2
+    return bh
+
+
+class BlockShares(NamedTuple):
+    """gate_up_down's outputs. part fp32 [N / block_n, M, H]: block b's share of the
+    output (written only where block_counts[b] > 0); counts int32 [N]: tokens with a
+    non-zero (or NaN) gate per neuron; block_counts int32 [N / block_n]: active neurons
+    per block; bad int32 [H / block_k, Mp]: 1 where piece p of row r of x is not
     finite."""
 
-    h: jax.Array
+    part: jax.Array
     counts: jax.Array
-    ids: jax.Array
     block_counts: jax.Array
     bad: jax.Array
 
@@ -119,158 +129,140 @@ def _dot_t(a: jax.Array, b: jax.Array) -> jax.Array:
     return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=_F32)
 
 
-def _gate_up_kernel(x_ref, wg_ref, wu_ref, h_ref, counts_ref, ids_ref, bcount_ref, bad_ref,
-                    *, mp, block_n, block_k):  # fmt: skip
-    """Program j: neurons j*block_n + [0, block_n); the outputs are `GateUp`'s
-    (bad_ref written by program 0)."""
+def _gate_up_down_kernel(x_ref, wg_ref, wu_ref, wd_ref, part_ref, counts_ref, bcount_ref,
+                         bad_ref, *, mp, block_n, block_k, group, block_h):  # fmt: skip
+    """Program j: neurons j*block_n + [0, block_n); the outputs are `BlockShares`'."""
     m, h = x_ref.shape
     n = wg_ref.shape[0]
-    j = tr.program_id(0, n // block_n)
+    nb = n // block_n
+    j = tr.program_id(0, nb)
     rows = tr.iota(mp)
     row_ok = rows < m
     neurons = pl.ds(j * block_n, block_n)
-    steps = h // block_k
+    pieces = h // block_k
 
     def x_piece(k):
         cols = k * block_k + tr.iota(block_k)
         return tr.load(x_ref.at[rows[:, None], cols[None, :]], mask=row_ok[:, None], other=0)
 
-    def gate_step(k, carry):
-        acc, bad = carry
-        xk = x_piece(k)
-        wk = tr.load(wg_ref.at[neurons, pl.ds(k * block_k, block_k)])
-        finite = jnp.abs(xk.astype(_F32)) <= _F32_MAX  # False for inf and NaN
-        bad = jnp.maximum(bad, jnp.max(jnp.where(finite, 0, 1), axis=1))
-        return acc + _dot_t(xk, wk), bad
+    def gate_step(k, acc):
+        return acc + _dot_t(x_piece(k), tr.load(wg_ref.at[neurons, pl.ds(k * block_k, block_k)]))
 
     zeros = jnp.zeros((mp, block_n), _F32)
-    g32, bad = lax.fori_loop(0, steps, gate_step, (zeros, jnp.zeros((mp,), jnp.int32)))
+    g32 = lax.fori_loop(0, pieces, gate_step, zeros)
+
+    # The finite check of x runs outside the gate loop, one piece per program: inside,
+    # using the x tile for more than the dot slowed the loop by 1.8x.
+    def check_piece(piece):
+        finite = jnp.abs(x_piece(piece).astype(_F32)) <= _F32_MAX  # False for inf and NaN
+        bad_ref[piece, :] = jnp.max(jnp.where(finite, 0, 1), axis=1)
+
+    for p in range(pl.cdiv(pieces, nb)):
+        pl.when(j + p * nb < pieces)(functools.partial(check_piece, j + p * nb))
+
     # relu that keeps NaN, as jax.nn.relu does (Triton's maximum drops it)
     g = jnp.where(g32 <= 0, 0, g32).astype(_BF16)
-    fired = jnp.where(g != 0, 1, 0)  # NaN != 0: a NaN gate is read and propagates
-    counts = jnp.sum(fired, axis=0)
-    live = jnp.broadcast_to((counts > 0)[:, None], (block_n, block_k))
-
-    def up():
-        def up_step(k, acc):
-            wk = tr.load(wu_ref.at[neurons, pl.ds(k * block_k, block_k)], mask=live, other=0)
-            return acc + _dot_t(x_piece(k), wk)
-
-        return lax.fori_loop(0, steps, up_step, zeros)
-
-    u32 = lax.cond(jnp.sum(counts) > 0, up, lambda: zeros)
-    hv = (g.astype(_F32) * u32.astype(_BF16).astype(_F32)).astype(_BF16)
-    h_ref[:, neurons] = hv
-    counts_ref[neurons] = counts
-    # The block's own compaction, a stable partition: active neurons first, ascending,
-    # then the rest; every lane stores to its own slot (no masked duplicates).
+    counts = jnp.sum(jnp.where(g != 0, 1, 0), axis=0)  # NaN != 0: read, propagates
     active = jnp.where(counts > 0, 1, 0)
-    lane = tr.iota(block_n)
-    before = jnp.cumsum(active)  # active lanes in [0, lane]
     n_active = jnp.sum(active)
-    slot = jnp.where(active > 0, before - 1, n_active + lane - before)
-    tr.store(ids_ref.at[j * block_n + slot], j * block_n + lane)
+    counts_ref[neurons] = counts
     bcount_ref[j] = n_active
+    lane = tr.iota(block_n)
+    slot = jnp.cumsum(active) - 1  # an active lane's rank in the block
 
-    @pl.when(j == 0)
+    @pl.when(n_active > 0)
     def _():
-        bad_ref[...] = bad
+        member = tr.iota(group)
+
+        def up_group(q, hb):
+            # lanes of the block's active neurons q*group .. q*group + group - 1
+            onehot = (slot[None, :] == (q * group + member)[:, None]) & (active[None, :] > 0)
+            ok = q * group + member < n_active
+            ids = j * block_n + jnp.sum(jnp.where(onehot, lane[None, :], 0), axis=1)
+
+            def up_step(k, acc):
+                cols = k * block_k + tr.iota(block_k)
+                wk = tr.load(wu_ref.at[ids[:, None], cols[None, :]], mask=ok[:, None], other=0)
+                return acc + _dot_t(x_piece(k), wk)
+
+            u = lax.fori_loop(0, pieces, up_step, jnp.zeros((mp, group), _F32))
+            sel = jnp.where(onehot, 1.0, 0.0).astype(_BF16)  # [group, block_n]
+            g_ids = _dot_t(g, sel)  # g[:, ids], exact: one term per column
+            hv = (g_ids * u.astype(_BF16).astype(_F32)).astype(_BF16)
+            return hb + jnp.dot(hv, sel, preferred_element_type=_F32)  # back to lanes
+
+        hb = lax.fori_loop(0, pl.cdiv(n_active, group), up_group, zeros).astype(_BF16)
+        live = jnp.broadcast_to((active > 0)[:, None], (block_n, block_h))
+        out_ok = jnp.broadcast_to(row_ok[:, None], (mp, block_h))
+
+        def down_step(c, carry):
+            cols = c * block_h + tr.iota(block_h)
+            wd = tr.load(wd_ref.at[neurons, pl.ds(c * block_h, block_h)], mask=live, other=0)
+            share = jnp.dot(hb, wd, preferred_element_type=_F32)
+            tr.store(part_ref.at[j, rows[:, None], cols[None, :]], share, mask=out_ok)
+            return carry
+
+        lax.fori_loop(0, h // block_h, down_step, 0)
 
 
-def gate_up(x, w_gate, w_up, cfg: DecodeConfig, *, interpret: bool) -> GateUp:
-    """x [M, H] bf16, w_gate and w_up [N, H] bf16 -> `GateUp`."""
-    m, _ = x.shape
+def gate_up_down(x, w_gate, w_up, w_down, cfg: DecodeConfig, *, interpret: bool) -> BlockShares:
+    """x [M, H] bf16, weights [N, H] bf16 -> `BlockShares`."""
+    m, h = x.shape
     n = w_gate.shape[0]
     mp = padded_rows(m)
+    block_k = _fit_block_k(cfg, mp)
+    nb = n // cfg.block_n
     kernel = functools.partial(
-        _gate_up_kernel, mp=mp, block_n=cfg.block_n, block_k=_fit_block_k(cfg, mp)
-    )
+        _gate_up_down_kernel, mp=mp, block_n=cfg.block_n, block_k=block_k, group=cfg.group,
+        block_h=_fit_block_h(cfg, mp),
+    )  # fmt: skip
     out = tr.pallas_call(
         kernel,
         out_shape=(
-            jax.ShapeDtypeStruct((mp, n), _BF16),
+            jax.ShapeDtypeStruct((nb, m, h), _F32),
             jax.ShapeDtypeStruct((n,), jnp.int32),
-            jax.ShapeDtypeStruct((n,), jnp.int32),
-            jax.ShapeDtypeStruct((n // cfg.block_n,), jnp.int32),
-            jax.ShapeDtypeStruct((mp,), jnp.int32),
+            jax.ShapeDtypeStruct((nb,), jnp.int32),
+            jax.ShapeDtypeStruct((h // block_k, mp), jnp.int32),
         ),
-        grid=(n // cfg.block_n,),
+        grid=(nb,),
         compiler_params=tr.compiler_params(cfg.gate_warps, cfg.gate_stages),
         interpret=interpret,
-        name="decode_gate_up",
-    )(x, w_gate, w_up)
-    return GateUp(*out)
+        name="decode_gate_up_down",
+    )(x, w_gate, w_up, w_down)
+    return BlockShares(*out)
 
 
-def _down_kernel(ids_ref, bcount_ref, h_ref, bad_ref, wd_ref, out_ref, *, m, chunk, block_h,
-                 block_n, splits):  # fmt: skip
-    """Program (H block b, split s): the sum over chunks s, s + splits, ... of the K
-    active neurons of h[:, ids] W_down[ids, b]; a row of x that is not finite gets NaN.
-
-    Slot t of the global id list is in block nb(t) = #{blocks whose running count ends
-    at or before t}, at local position t - (the counts of those blocks).
-    out_ref: [M, H] x.dtype when splits == 1, else fp32 partials [splits, Mp, H].
-    """
-    mp = h_ref.shape[0]
-    h = wd_ref.shape[1]
-    nb = bcount_ref.shape[0]
+def _reduce_kernel(part_ref, bcount_ref, bad_ref, out_ref, *, reduce_h, pieces):
+    """Program (row r, H block c): the sum over blocks that fired of part[:, r, block c],
+    NaN where row r of x is not finite. part_ref is `BlockShares.part` as [nb, M * H],
+    bad_ref `BlockShares.bad` as [pieces * Mp] (flat, so every index is one array)."""
+    nb = part_ref.shape[0]
+    m, h = out_ref.shape
+    mp = bad_ref.shape[0] // pieces
     nbp = tr.next_pow2(nb)
-    b = tr.program_id(0, h // block_h)
-    s = tr.program_id(1, splits)
-    rows = tr.iota(mp)
-    cols = b * block_h + tr.iota(block_h)
+    r = tr.program_id(0, m)
+    c = tr.program_id(1, h // reduce_h)
     blocks = tr.iota(nbp)
-    bcount = tr.load(bcount_ref.at[blocks], mask=blocks < nb, other=0)
-    ends = jnp.cumsum(bcount)
-    k = jnp.sum(bcount)
-    chunks = (k + chunk - 1) // chunk
-    trips = (jnp.maximum(chunks - s, 0) + splits - 1) // splits
-
-    def step(i, acc):
-        t = (s + i * splits) * chunk + tr.iota(chunk)
-        ok = t < k
-        before = ends[None, :] <= t[:, None]  # [chunk, nbp]
-        block = jnp.sum(jnp.where(before, 1, 0), axis=1)
-        start = jnp.sum(jnp.where(before, bcount[None, :], 0), axis=1)
-        ids = tr.load(ids_ref.at[block * block_n + t - start], mask=ok, other=0)
-        hg = tr.load(h_ref.at[rows[:, None], ids[None, :]], mask=ok[None, :], other=0)
-        wg = tr.load(wd_ref.at[ids[:, None], cols[None, :]], mask=ok[:, None], other=0)
-        return acc + jnp.dot(hg, wg, preferred_element_type=_F32)
-
-    acc = lax.fori_loop(0, trips, step, jnp.zeros((mp, block_h), _F32))
-    acc = jnp.where((tr.load(bad_ref.at[rows]) > 0)[:, None], jnp.nan, acc)
-    if splits == 1:
-        mask = jnp.broadcast_to((rows < m)[:, None], (mp, block_h))
-        tr.store(out_ref.at[rows[:, None], cols[None, :]], acc.astype(out_ref.dtype), mask=mask)
-    else:
-        out_ref[s, :, pl.ds(b * block_h, block_h)] = acc
+    fired = tr.load(bcount_ref.at[blocks], mask=blocks < nb, other=0) > 0
+    cols = r * h + c * reduce_h + tr.iota(reduce_h)
+    mask = jnp.broadcast_to(fired[:, None], (nbp, reduce_h))
+    shares = tr.load(part_ref.at[blocks[:, None], cols[None, :]], mask=mask, other=0)
+    total = jnp.sum(shares, axis=0)
+    p = tr.iota(tr.next_pow2(pieces))
+    bad = jnp.max(tr.load(bad_ref.at[p * mp + r], mask=p < pieces, other=0))
+    total = jnp.where(bad > 0, jnp.nan, total)
+    out_ref[r, pl.ds(c * reduce_h, reduce_h)] = total.astype(out_ref.dtype)
 
 
-def down(m: int, up: GateUp, w_down, cfg: DecodeConfig, *, interpret: bool):
-    """out [M, H] bf16: h W_down over the active neurons of `up` (see `_down_kernel`)."""
-    mp = up.h.shape[0]
-    hd = w_down.shape[1]
-    splits = splits_for(cfg, mp)
-    kernel = functools.partial(
-        _down_kernel,
-        m=m,
-        chunk=cfg.chunk,
-        block_h=cfg.block_h,
-        block_n=cfg.block_n,
-        splits=splits,
-    )
-    if splits == 1:
-        out_shape = jax.ShapeDtypeStruct((m, hd), w_down.dtype)
-    else:
-        out_shape = jax.ShapeDtypeStruct((splits, mp, hd), _F32)
-    out = tr.pallas_call(
-        kernel,
-        out_shape=out_shape,
-        grid=(hd // cfg.block_h, splits),
-        compiler_params=tr.compiler_params(cfg.down_warps, cfg.down_stages),
+def reduce_blocks(shares: BlockShares, cfg: DecodeConfig, *, interpret: bool) -> jax.Array:
+    """out [M, H] bf16: the sum of `shares`' block shares (see `_reduce_kernel`)."""
+    nb, m, h = shares.part.shape
+    pieces = shares.bad.shape[0]
+    return tr.pallas_call(
+        functools.partial(_reduce_kernel, reduce_h=cfg.reduce_h, pieces=pieces),
+        out_shape=jax.ShapeDtypeStruct((m, h), _BF16),
+        grid=(m, h // cfg.reduce_h),
+        compiler_params=tr.compiler_params(cfg.reduce_warps, 1),
         interpret=interpret,
-        name="decode_down",
-    )(up.ids, up.block_counts, up.h, up.bad, w_down)
-    if splits == 1:
-        return out
-    return jnp.sum(out, axis=0)[:m].astype(w_down.dtype)
+        name="decode_reduce_blocks",
+    )(shares.part.reshape(nb, m * h), shares.block_counts, shares.bad.reshape(-1))

@@ -8,11 +8,12 @@ three [N, H] weights (bf16, H = 2048, N = 5632: 69.2 MB). This op (docs/design.m
 §4.5) reads all of W_gate (23.1 MB) and only the rows of W_up and W_down of neurons
 that fire for some token of the call, deduplicated across the batch:
 
-1. `kernels.gate_up`, one program per block of neurons: g = relu(x Wg^T) for the
-   block, its per-neuron count of firing tokens, h = g * (x Wu^T) from masked loads
-   of W_up that fetch only the rows of firing neurons, and the block's list of them.
-2. `kernels.down`, one program per H block: out = h[:, ids] Wd[ids] over the K
-   active neurons only, their ids read through the block lists.
+1. `kernels.gate_up_down`, one program per block of neurons: g = relu(x Wg^T) for
+   the block and its per-neuron count of firing tokens; where some token fires, h =
+   g * (x Wu^T) from a gather of the firing neurons' W_up rows, and the block's fp32
+   share of the output, h W_down[block], from loads that fetch only those rows.
+2. `kernels.reduce_blocks`, one program per (row, H block): the sum of the shares of
+   the blocks that fired, in block order, rounded once.
 
 No capacity and no branch: nothing is sized by K, so nothing overflows and the host
 never waits on a device value (a `lax.switch` on K made XLA copy the branch index to
@@ -110,11 +111,11 @@ def _resolve_impl(impl: str, x: jax.Array, h: int, n: int, config: DecodeConfig)
 
 def _kernel_mlp(x2, w_gate, w_up, w_down, config: DecodeConfig, interpret: bool):
     """(out [M, H], counts int32 [N], K int32 [1]) through the two kernels."""
-    with jax.named_scope("decode_gate_up"):
-        up = kernels.gate_up(x2, w_gate, w_up, config, interpret=interpret)
-    with jax.named_scope("decode_down"):
-        out = kernels.down(x2.shape[0], up, w_down, config, interpret=interpret)
-    return out, up.counts, jnp.sum(up.block_counts, keepdims=True)
+    with jax.named_scope("decode_gate_up_down"):
+        shares = kernels.gate_up_down(x2, w_gate, w_up, w_down, config, interpret=interpret)
+    with jax.named_scope("decode_reduce_blocks"):
+        out = kernels.reduce_blocks(shares, config, interpret=interpret)
+    return out, shares.counts, jnp.sum(shares.block_counts, keepdims=True)
 
 
 def _xla_mlp(x2, w_gate, w_up, w_down):

@@ -3,6 +3,8 @@
 The timed functions advance a fake clock instead of sleeping, so the times are exact.
 """
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from experiments import bench_util as bu
@@ -127,3 +129,26 @@ def test_time_fn_reports_per_call_time_of_inner_batches():
     assert len(calls) == 2 + 3 * 4 and out["reps"] == 3
     assert out["median_ms"] == pytest.approx(2.0)  # per call, not per batch of 4
     assert out["p10_ms"] == pytest.approx(2.0) and out["p90_ms"] == pytest.approx(2.0)
+
+
+def test_kernel_table_counts_device_kernels_only():
+    events = [
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
+        {"ph": "X", "pid": 1, "name": "gemm", "dur": 10.0},
+        {"ph": "X", "pid": 1, "name": "gemm", "dur": 14.0},
+        {"ph": "X", "pid": 1, "name": "relu", "dur": 1.0},
+        {"ph": "X", "pid": 2, "name": "gemm", "dur": 500.0},  # host side: not a kernel
+        {"ph": "i", "pid": 1, "name": "marker"},
+    ]
+    table = bu.kernel_table(events, calls=2)
+    assert list(table) == ["gemm", "relu"]  # longest total first
+    assert table["gemm"] == {"per_call": 1.0, "mean_us": 12.0}
+    assert table["relu"] == {"per_call": 0.5, "mean_us": 1.0}
+
+
+def test_kernel_times_runs_on_a_host_without_device_kernels():
+    fn = jax.jit(lambda x: x * 2)
+    table = bu.kernel_times(fn, jnp.ones(4), calls=2)
+    assert isinstance(table, dict)
+    assert all("GPU" not in name for name in table)

@@ -25,3 +25,13 @@ def test_decode_benchmark_records_every_path_per_m():
         assert all(0 < k <= 256 for k in rec["active_neurons_per_layer"])
         # M above max_tokens runs the dense formula in every layer
         assert rec["dense_fallback_layers"] == (2 if rec["M"] > 8 else 0)
+
+
+def test_decode_benchmark_kernel_trace_names_every_path():
+    (rec,) = benchmark_decode.run(
+        (2,), 64, 256, 4.0, 1, "uniform", layers=2, warmup=1, inner=1, kernel_trace=True
+    )
+    json.dumps(rec)
+    assert set(rec["kernels_per_layer"]) == {"dense", "sparse", "twell"}
+    for table in rec["kernels_per_layer"].values():  # empty on a CPU: no device kernels
+        assert all(set(v) == {"per_layer", "mean_us"} for v in table.values())

@@ -24,16 +24,17 @@ from tests.lowering import count_triton_calls
 from tests.pallas_kernels.twell.kernel_cases import assert_bf16_close, integer_mlp
 
 H, N = 128, 512
-# Small launches for H = 128 (the defaults need H % 256 == 0); splits=3 checks the
-# partial sums and chunks that do not divide among the splits.
-SMALL = DecodeConfig(block_n=32, block_k=64, block_h=64, chunk=16)
-SMALL_SPLIT = DecodeConfig(block_n=16, block_k=64, block_h=32, chunk=16, splits=3)
+# Small launches for H = 128 (the defaults need H % 256 == 0). SMALL_GROUPS has more H
+# pieces (8) than neuron blocks (4), so some programs check two pieces of x, and up to
+# 8 up groups per block.
+SMALL = DecodeConfig(block_n=32, block_k=64, block_h=64, reduce_h=64)
+SMALL_GROUPS = DecodeConfig(block_n=128, block_k=16, group=16, block_h=32, reduce_h=32)
 IMPLS = [
     pytest.param(("interpret", SMALL), id="interpret"),
-    pytest.param(("interpret", SMALL_SPLIT), id="interpret_splits"),
+    pytest.param(("interpret", SMALL_GROUPS), id="interpret_groups"),
     pytest.param(("xla", SMALL), id="xla"),
     pytest.param(("pallas", SMALL), id="gpu", marks=pytest.mark.gpu),
-    pytest.param(("pallas", SMALL_SPLIT), id="gpu_splits", marks=pytest.mark.gpu),
+    pytest.param(("pallas", SMALL_GROUPS), id="gpu_groups", marks=pytest.mark.gpu),
 ]
 
 
@@ -118,8 +119,8 @@ def test_integer_inputs_are_bitwise_dense(impl):
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("k", [0, 1, 15, 16, 17, 48, 64], ids=lambda k: f"k{k}")
-def test_active_counts_around_chunk_edges(impl, k):
-    """K from 0 (all dead: exact zeros) through one chunk to several, odd M = 5."""
+def test_active_counts_around_group_edges(impl, k):
+    """K from 0 (all dead: exact zeros) through one up group to several, odd M = 5."""
     x, wg, wu, wd = controlled_mlp(3, first_k_active(5, N, k))
     out, stats = run(impl, x, wg, wu, wd)
     assert int(stats.active_neurons) == k and int(stats.dense_fallback) == 0
@@ -229,7 +230,7 @@ def test_auto_runs_xla_off_the_gpu_and_for_fp32():
     [
         (1, DecodeConfig()),
         (8, DecodeConfig()),
-        (64, DecodeConfig(splits=4)),
+        (64, DecodeConfig()),
     ],
 )
 def test_cross_lowers_for_cuda_at_production_shape(m, cfg):
@@ -241,7 +242,28 @@ def test_cross_lowers_for_cuda_at_production_shape(m, cfg):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 8, 33, 64])
+@pytest.mark.parametrize("block_h", [256, 512, 1024])
+def test_gpu_wide_down_tiles_still_launch(block_h):
+    """A block_h too wide for shared memory at M = 64 is narrowed, not a launch failure."""
+    from twell_jax.synthetic import synthetic_mlp
+
+    x, wg, wu, wd = synthetic_mlp(64, 2048, 5632, 29.0)
+    out = pk.sparse_decode_mlp(x, wg, wu, wd, config=DecodeConfig(block_h=block_h))
+    assert_bf16_close(out, x, (wg, wu, wd), gated=True)
+
+
+def test_launch_sizes_shrink_to_fit_shared_memory():
+    from pallas_kernels.decode import kernels
+
+    cfg = DecodeConfig()
+    assert [kernels._fit_block_k(cfg, mp) for mp in (16, 32, 64)] == [256, 256, 128]
+    assert [kernels._fit_block_h(cfg, mp) for mp in (16, 32, 64)] == [256, 128, 256]
+    wide = DecodeConfig(block_h=1024)
+    assert kernels._fit_block_h(wide, 64) == 256 and kernels._fit_block_h(wide, 16) == 256
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 8, 24, 33, 64])
 @pytest.mark.parametrize("pattern", ["uniform", "skew"])
 def test_gpu_production_shape(m, pattern):
     """H = 2048, N = 5632, ~29 positives per row, the defaults: the bf16 rule."""
@@ -278,7 +300,7 @@ W = jnp.zeros((256, 64), jnp.bfloat16)
         ),
         ((X, W, W, W), {"impl": "interpret"}, "H=64 is not a multiple of DecodeConfig.block_k"),
         ((X, W, W, W), {"max_tokens": 0}, r"max_tokens=0: must be in \[1, 64\]"),
-        ((X, W, W, W), {"config": DecodeConfig(chunk=24)}, "chunk=24 must be a power of two"),
+        ((X, W, W, W), {"config": DecodeConfig(group=24)}, "group=24 must be a power of two"),
     ],
 )
 def test_bad_inputs_raise(args, kwargs, message):
