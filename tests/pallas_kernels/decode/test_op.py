@@ -80,7 +80,9 @@ def first_k_active(m: int, n: int, k: int) -> np.ndarray:
 
 
 def run(impl, x, wg, wu, wd, **kw):
+    """The op through `impl`'s backend and config, on the kernels up to 64 tokens."""
     backend, cfg = impl
+    kw = {"max_tokens": 64, **kw}
     return pk.sparse_decode_mlp(x, wg, wu, wd, impl=backend, config=cfg, return_stats=True, **kw)
 
 
@@ -197,6 +199,15 @@ def test_fp32_inputs():
     np.testing.assert_allclose(np.asarray(out), want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
+def test_default_max_tokens_runs_dense_above_8_tokens():
+    x, wg, wu, wd = controlled_mlp(7, first_k_active(9, N, 3))
+    _, at9 = pk.sparse_decode_mlp(x, wg, wu, wd, impl="interpret", config=SMALL, return_stats=True)
+    _, at8 = pk.sparse_decode_mlp(
+        x[:8], wg, wu, wd, impl="interpret", config=SMALL, return_stats=True
+    )
+    assert int(at9.dense_fallback) == 1 and int(at8.dense_fallback) == 0
+
+
 def test_more_tokens_than_max_tokens_run_dense():
     x, wg, wu, wd = controlled_mlp(7, first_k_active(9, N, 3))
     out, stats = run(("interpret", SMALL), x, wg, wu, wd, max_tokens=8)
@@ -248,7 +259,7 @@ def test_gpu_wide_down_tiles_still_launch(block_h):
     from twell_jax.synthetic import synthetic_mlp
 
     x, wg, wu, wd = synthetic_mlp(64, 2048, 5632, 29.0)
-    out = pk.sparse_decode_mlp(x, wg, wu, wd, config=DecodeConfig(block_h=block_h))
+    out = pk.sparse_decode_mlp(x, wg, wu, wd, config=DecodeConfig(block_h=block_h), max_tokens=64)
     assert_bf16_close(out, x, (wg, wu, wd), gated=True)
 
 
@@ -270,7 +281,7 @@ def test_gpu_production_shape(m, pattern):
     from twell_jax.synthetic import synthetic_mlp
 
     x, wg, wu, wd = synthetic_mlp(m, 2048, 5632, 29.0, pattern=pattern)
-    out, stats = pk.sparse_decode_mlp(x, wg, wu, wd, return_stats=True)
+    out, stats = pk.sparse_decode_mlp(x, wg, wu, wd, max_tokens=64, return_stats=True)
     assert int(stats.dense_fallback) == 0
     assert int(stats.active_neurons) == expected_stats(x, wg)[0]
     assert_bf16_close(out, x, (wg, wu, wd), gated=True)
