@@ -12,10 +12,9 @@ nothing fires writes nothing. reduce_blocks adds the shares of the blocks that f
 in block order (deterministic), and rounds once to bf16.
 
 Why this shape: every phase after the gate waits on a memory round trip, and at
-decode sizes those round trips, not bytes, set the time. A down kernel that looked up
-each chunk of active ids from the block counts took 7.5 µs at M = 1 and 19.5 µs at
-M = 8, against 2-3 µs for the block shares and their sum (docs/performance_notes.md,
-"Decode").
+decode sizes those round trips, not bytes, set the time; a down kernel that looked up
+each chunk of active ids from the block counts chained three of them per chunk
+(docs/performance_notes.md, "Decode").
 
 Shapes: x [M, H] bf16 with M <= 64 (padded inside to Mp = max(16, 2^ceil(log2 M))
 rows, the smallest tensor-core tile); weights [N, H] bf16 (w_down is down_proj
@@ -89,8 +88,8 @@ def padded_rows(m: int) -> int:
 _SMEM_BYTES = 160 * 1024
 
 
-# ... and, with the down loop's stages of W_down tiles, the whole kernel: at Mp = 64 the
-# defaults need 224 KB, and block_h = 512 failed to launch (320 KB).
+# ... and, with the down loop's stages of W_down tiles, the whole kernel (the card has
+# 227 KB; the defaults at Mp = 64 come close to it).
 _SMEM_TOTAL_BYTES = 220 * 1024
 
 
@@ -152,7 +151,7 @@ def _gate_up_down_kernel(x_ref, wg_ref, wu_ref, wd_ref, part_ref, counts_ref, bc
     g32 = lax.fori_loop(0, pieces, gate_step, zeros)
 
     # The finite check of x runs outside the gate loop, one piece per program: inside,
-    # using the x tile for more than the dot slowed the loop by 1.8x.
+    # a use of the x tile besides the dot slows the loop (docs/performance_notes.md).
     def check_piece(piece):
         finite = jnp.abs(x_piece(piece).astype(_F32)) <= _F32_MAX  # False for inf and NaN
         bad_ref[piece, :] = jnp.max(jnp.where(finite, 0, 1), axis=1)
