@@ -79,6 +79,8 @@ for what in "${@:-all}"; do
         python3 -m experiments.benchmark --mode=decode --decode_tokens=1,8,64,512 --reps=20 \
           --pattern="$p" --out="$OUT/decode_ffn_${p}_h200.json" || status=1
       done
+      python3 -m experiments.benchmark --mode=decode --decode_tokens=1,8,64 --reps=10 \
+        --decode_kernel_trace --out="$OUT/decode_ffn_uniform_kernels_h200.json" || status=1
       python3 -m experiments.benchmark --mode=generate --model_presets=1.5b \
         --generate_batch=1,8,64 --reps=3 --out="$OUT/generate_1.5b_h200.json" || status=1 ;;
     train_memory)  # peak memory of the real 2B step, dense and sparse
