@@ -198,41 +198,72 @@ def errors(out: jax.Array, ref: jax.Array) -> dict:
     }
 
 
-def kernel_table(events: list[dict], calls: int) -> dict[str, dict]:
-    """Device kernels of a profiler trace (Chrome trace events): name -> {"per_call":
-    launches per call, "mean_us": mean duration}, over `calls` calls, longest total first.
-
-    Only complete ("X") events of processes whose name mentions a GPU count: the host
-    side of the same trace (Python, XLA's dispatch) is not kernel time."""
+def _gpu_kernels(events: list[dict]) -> list[dict]:
+    """The complete ("X") events of processes whose name mentions a GPU: device kernels
+    (the host side of the same trace, Python and XLA's dispatch, is not kernel time)."""
     names = {
         e["pid"]: e.get("args", {}).get("name", "")
         for e in events
         if e.get("ph") == "M" and e.get("name") == "process_name"
     }
+    return [e for e in events if e.get("ph") == "X" and "GPU" in names.get(e.get("pid"), "")]
+
+
+def kernel_table(events: list[dict], calls: int) -> dict[str, dict]:
+    """Device kernels of a profiler trace (Chrome trace events): name -> {"per_call":
+    launches per call, "mean_us": mean duration}, over `calls` calls, longest total first."""
     total = collections.defaultdict(lambda: [0, 0.0])
-    for e in events:
-        if e.get("ph") == "X" and "GPU" in names.get(e.get("pid"), ""):
-            entry = total[e["name"]]
-            entry[0] += 1
-            entry[1] += float(e.get("dur", 0.0))
+    for e in _gpu_kernels(events):
+        entry = total[e["name"]]
+        entry[0] += 1
+        entry[1] += float(e.get("dur", 0.0))
     ranked = sorted(total.items(), key=lambda kv: -kv[1][1])
     return {
         name: {"per_call": count / calls, "mean_us": dur / count} for name, (count, dur) in ranked
     }
 
 
-def kernel_times(fn, *args, calls: int = 5) -> dict[str, dict]:
-    """`kernel_table` of `calls` calls of `fn(*args)` after one warm-up, from a
-    jax.profiler trace (CUPTI on a GPU; {} where the trace has no device kernels)."""
-    jax.block_until_ready(fn(*args))
+def gpu_timeline(events: list[dict]) -> dict:
+    """How busy the GPU was over a trace: {"kernels": launches, "busy_us": time with at
+    least one kernel running, "span_us": first kernel start to last kernel end}. span -
+    busy is the time the GPU waited between kernels (launch gaps, host work)."""
+    spans = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)))
+                   for e in _gpu_kernels(events) if "ts" in e)  # fmt: skip
+    busy, end = 0.0, None
+    for start, stop in spans:
+        if end is None or start > end:
+            busy, end = busy + stop - start, stop
+        elif stop > end:
+            busy, end = busy + stop - end, stop
+    span = end - spans[0][0] if spans else 0.0  # end: the latest stop seen
+    return {"kernels": len(spans), "busy_us": busy, "span_us": span}
+
+
+def trace_events(run: Callable[[], object], calls: int = 1) -> list[dict]:
+    """Chrome trace events (jax.profiler, CUPTI on a GPU) of `calls` synchronised calls
+    of `run()`; [] where the profiler wrote no trace. Warm `run` up first."""
     with tempfile.TemporaryDirectory() as tmp:
         with jax.profiler.trace(tmp, create_perfetto_trace=True):
             for _ in range(calls):
-                jax.block_until_ready(fn(*args))
+                jax.block_until_ready(run())
         files = glob.glob(f"{tmp}/**/*.trace.json.gz", recursive=True)
         if not files:
-            return {}
+            return []
         with gzip.open(files[0]) as f:
             trace = json.load(f)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    return kernel_table(events, calls)
+    return trace["traceEvents"] if isinstance(trace, dict) else trace
+
+
+def kernel_times(fn, *args, calls: int = 5) -> dict[str, dict]:
+    """`kernel_table` of `calls` calls of `fn(*args)` after one warm-up ({} where the
+    trace has no device kernels)."""
+    jax.block_until_ready(fn(*args))
+    return kernel_table(trace_events(lambda: fn(*args), calls), calls)
+
+
+def call_timeline(fn, *args) -> dict:
+    """`gpu_timeline` of one call of `fn(*args)` after one warm-up, with its kernels
+    ("kernels_by_name": `kernel_table` of that call)."""
+    jax.block_until_ready(fn(*args))
+    events = trace_events(lambda: fn(*args))
+    return {**gpu_timeline(events), "kernels_by_name": kernel_table(events, 1)}

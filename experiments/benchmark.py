@@ -116,7 +116,8 @@ flags.DEFINE_float("decode_nnz", 29.0, "Positive gate entries per token of --mod
 flags.DEFINE_bool(
     "decode_kernel_trace",
     False,
-    "--mode=decode: also record each path's device kernels per layer (a profiler trace).",
+    "--mode=decode / generate: also record each path's device kernels per layer / decode"
+    " step and the GPU's busy time (a profiler trace).",
 )
 flags.DEFINE_list("generate_batch", ["1", "8", "64"], "Prompts per batch of --mode=generate.")
 flags.DEFINE_integer("generate_prompt", 512, "Prompt tokens of --mode=generate.")
@@ -363,6 +364,7 @@ def main(argv):
             prompt_len=FLAGS.generate_prompt,
             new_tokens=FLAGS.generate_new,
             reps=FLAGS.reps,
+            kernel_trace=FLAGS.decode_kernel_trace,
         )
     elif FLAGS.mode == "train_tune":
         result["tune"] = benchmark_train.tune(M=FLAGS.train_tokens, H=h, N=n)

@@ -72,7 +72,8 @@ def case(
     kernel_trace: bool = False,
 ) -> dict:
     """One M: ms, tokens/s and ratios of each path, the decode op's stats, the errors;
-    with kernel_trace also each path's device kernels per layer (`bu.kernel_times`)."""
+    with kernel_trace also each path's device kernels per layer (`bu.kernel_times`) and
+    its GPU busy time against the span of one call (`bu.call_timeline`)."""
     x, wg, wu, wd = _inputs(m, h, n, nnz, pattern, sigma, layers)
     opts = {"config": config, "max_tokens": max_tokens}
     fns = {
@@ -123,14 +124,17 @@ def case(
     for name, nbytes in bytes_per_layer.items():
         rec[f"{name}_bytes_per_layer"] = nbytes
         rec[f"{name}_gb_per_s"] = nbytes / (rec[f"{name}_ms"] * 1e-3) / 1e9
-    if kernel_trace:  # per layer: launches and mean µs of each kernel of one call
-        rec["kernels_per_layer"] = {
-            name: {
+    if kernel_trace:  # per layer: each kernel's launches and mean µs; the GPU's busy time
+        rec["kernels_per_layer"], rec["timeline_per_layer"] = {}, {}
+        for name, fn in fns.items():
+            rec["kernels_per_layer"][name] = {
                 k: {"per_layer": v["per_call"] / layers, "mean_us": v["mean_us"]}
                 for k, v in bu.kernel_times(fn, x, wg, wu, wd).items()
             }
-            for name, fn in fns.items()
-        }
+            line = bu.call_timeline(fn, x, wg, wu, wd)
+            rec["timeline_per_layer"][name] = {
+                k: line[k] / layers for k in ("kernels", "busy_us", "span_us")
+            }
     rec["ratios"] = timing["ratios"]  # median over rounds of time(a) / time(b)
     rec["speedup_sparse"] = rec["dense_ms"] / rec["sparse_ms"]
     if "twell" in fns:

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments import bench_util as bu
 from twell_jax import generate
 from twell_jax.config import model_preset
 from twell_jax.synthetic import synthetic_sparse_params
@@ -35,8 +36,24 @@ def _timed(fn, *args):
     return out, (time.perf_counter() - start) * 1e3
 
 
-def case(cfg, params, batch: int, prompt_len: int, new_tokens: int, reps: int) -> dict:
-    """One batch size: prefill and decode ms, decode tokens/s and ratios of both FFNs."""
+def _step_profile(prefill, loop, params, prefill_args, stop, steps: int) -> dict:
+    """One traced decode loop of `steps` steps: per step, the GPU's busy and span µs and
+    kernel launches, and the 40 costliest kernels (launches and mean µs per step)."""
+    state = jax.block_until_ready(prefill(params, *prefill_args))
+    events = bu.trace_events(lambda: loop(params, state, stop))
+    line = bu.gpu_timeline(events)
+    table = bu.kernel_table(events, steps)
+    return {
+        **{f"{k}_per_step": line[k] / steps for k in ("kernels", "busy_us", "span_us")},
+        "kernels_per_step_by_name": dict(list(table.items())[:40]),
+    }
+
+
+def case(
+    cfg, params, batch: int, prompt_len: int, new_tokens: int, reps: int, kernel_trace: bool = False
+) -> dict:
+    """One batch size: prefill and decode ms, decode tokens/s and ratios of both FFNs;
+    with kernel_trace also each FFN's decode step as the GPU ran it (`_step_profile`)."""
     rng = np.random.default_rng(batch)
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, prompt_len)), jnp.int32)
     pad = jnp.zeros((batch,), jnp.int32)
@@ -68,6 +85,12 @@ def case(cfg, params, batch: int, prompt_len: int, new_tokens: int, reps: int) -
     same = generated["dense"] == generated["sparse"]
     rec["same_tokens_fraction"] = float(same.mean())
     rec["rows_identical"] = int(same.all(axis=1).sum())
+    if kernel_trace:
+        for ffn, (prefill, _, loop) in fns.items():
+            prefill_args = (tokens, pad, new_tokens, key, stop)
+            rec[f"{ffn}_step_profile"] = _step_profile(
+                prefill, loop, params, prefill_args, stop, new_tokens - 1
+            )
     return rec
 
 
@@ -79,6 +102,7 @@ def run(
     prompt_len: int = 512,
     new_tokens: int = 256,
     reps: int = 5,
+    kernel_trace: bool = False,
 ) -> list[dict]:
     """One `case` record per preset and batch size (JSON-able), printed as it completes."""
     records = []
@@ -87,7 +111,8 @@ def run(
         cfg = model_preset(preset)
         head = {"preset": preset, "target_nnz": nnz, "calibration_l0_mean": float(calib_l0.mean())}
         for batch in batches:
-            records.append({**head, **case(cfg, params, batch, prompt_len, new_tokens, reps)})
+            rec = case(cfg, params, batch, prompt_len, new_tokens, reps, kernel_trace)
+            records.append({**head, **rec})
             print(records[-1], flush=True)
         del params
     return records

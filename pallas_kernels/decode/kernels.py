@@ -5,9 +5,9 @@
 
 gate_up_down reads all of W_gate (the step's unavoidable bytes) and, in a block of
 neurons where some token fires, only the rows of W_up and W_down of its firing
-neurons: the up product gathers the block's active rows (a compaction in registers),
-and the down product uses masked loads, which move no memory for masked-off rows. Each
-such block writes its fp32 share of the output, h_block W_down[block]; a block where
+neurons, `group` at a time (a compaction in registers): a group's W_up rows make its
+h columns, and its W_down rows add h_group W_down[group] to the block's fp32 share of
+the output, so each group's rows are gathered once for both products. A block where
 nothing fires writes nothing. reduce_blocks adds the shares of the blocks that fired,
 in block order (deterministic), and rounds once to bf16.
 
@@ -48,8 +48,9 @@ class DecodeConfig:
 
     block_n: neurons per gate_up_down program; block_k: H columns per step of its gate
       and up loops (shrunk for larger M so the pipelined tiles fit in shared memory);
-      group: active neurons gathered per step of its up loop; block_h: H columns per
-      step of its down loop (shrunk, like block_k, where the tiles would not fit).
+      group: active neurons whose W_up and W_down rows are gathered together; block_h:
+      H columns per step of a group's down loop (shrunk, like block_k, where the tiles
+      would not fit).
     reduce_h: output columns per reduce_blocks program.
     """
 
@@ -105,7 +106,7 @@ def _fit_block_h(cfg: DecodeConfig, mp: int) -> int:
     """block_h halved until the gate and down loops' pipelined tiles fit together."""
     gate = cfg.gate_stages * (mp + cfg.block_n) * _fit_block_k(cfg, mp) * 2
     bh = cfg.block_h
-    while bh > 16 and gate + cfg.gate_stages * cfg.block_n * bh * 2 > _SMEM_TOTAL_BYTES:
+    while bh > 16 and gate + cfg.gate_stages * cfg.group * bh * 2 > _SMEM_TOTAL_BYTES:
         bh //= 2
     return bh
 
@@ -172,8 +173,9 @@ def _gate_up_down_kernel(x_ref, wg_ref, wu_ref, wd_ref, part_ref, counts_ref, bc
     @pl.when(n_active > 0)
     def _():
         member = tr.iota(group)
+        out_ok = jnp.broadcast_to(row_ok[:, None], (mp, block_h))
 
-        def up_group(q, hb):
+        def up_down_group(q, carry):
             # lanes of the block's active neurons q*group .. q*group + group - 1
             onehot = (slot[None, :] == (q * group + member)[:, None]) & (active[None, :] > 0)
             ok = q * group + member < n_active
@@ -187,21 +189,20 @@ def _gate_up_down_kernel(x_ref, wg_ref, wu_ref, wd_ref, part_ref, counts_ref, bc
             u = lax.fori_loop(0, pieces, up_step, jnp.zeros((mp, group), _F32))
             sel = jnp.where(onehot, 1.0, 0.0).astype(_BF16)  # [group, block_n]
             g_ids = _dot_t(g, sel)  # g[:, ids], exact: one term per column
-            hv = (g_ids * u.astype(_BF16).astype(_F32)).astype(_BF16)
-            return hb + jnp.dot(hv, sel, preferred_element_type=_F32)  # back to lanes
+            hv = (g_ids * u.astype(_BF16).astype(_F32)).astype(_BF16)  # [Mp, group]
+            earlier = out_ok & (q > 0)  # a later group adds to the block's share so far
 
-        hb = lax.fori_loop(0, pl.cdiv(n_active, group), up_group, zeros).astype(_BF16)
-        live = jnp.broadcast_to((active > 0)[:, None], (block_n, block_h))
-        out_ok = jnp.broadcast_to(row_ok[:, None], (mp, block_h))
+            def down_step(c, carry):
+                cols = c * block_h + tr.iota(block_h)
+                wd = tr.load(wd_ref.at[ids[:, None], cols[None, :]], mask=ok[:, None], other=0)
+                dst = part_ref.at[j, rows[:, None], cols[None, :]]
+                share = jnp.dot(hv, wd, preferred_element_type=_F32)
+                tr.store(dst, share + tr.load(dst, mask=earlier, other=0), mask=out_ok)
+                return carry
 
-        def down_step(c, carry):
-            cols = c * block_h + tr.iota(block_h)
-            wd = tr.load(wd_ref.at[neurons, pl.ds(c * block_h, block_h)], mask=live, other=0)
-            share = jnp.dot(hb, wd, preferred_element_type=_F32)
-            tr.store(part_ref.at[j, rows[:, None], cols[None, :]], share, mask=out_ok)
-            return carry
+            return lax.fori_loop(0, h // block_h, down_step, carry)
 
-        lax.fori_loop(0, h // block_h, down_step, 0)
+        lax.fori_loop(0, pl.cdiv(n_active, group), up_down_group, 0)
 
 
 def gate_up_down(x, w_gate, w_up, w_down, cfg: DecodeConfig, *, interpret: bool) -> BlockShares:

@@ -147,6 +147,21 @@ def test_kernel_table_counts_device_kernels_only():
     assert table["relu"] == {"per_call": 0.5, "mean_us": 1.0}
 
 
+def test_gpu_timeline_merges_overlapping_kernels_and_counts_gaps():
+    gpu = {"ph": "X", "pid": 1}
+    events = [
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
+        {**gpu, "name": "a", "ts": 100.0, "dur": 10.0},
+        {**gpu, "name": "b", "ts": 105.0, "dur": 10.0},  # overlaps a: busy 100..115
+        {**gpu, "name": "c", "ts": 120.0, "dur": 5.0},  # after a 5 µs gap
+        {**gpu, "name": "d", "ts": 121.0, "dur": 1.0},  # inside c
+        {"ph": "X", "pid": 2, "name": "host", "ts": 0.0, "dur": 500.0},
+    ]
+    assert bu.gpu_timeline(events) == {"kernels": 4, "busy_us": 20.0, "span_us": 25.0}
+    assert bu.gpu_timeline(events[:2]) == {"kernels": 0, "busy_us": 0.0, "span_us": 0.0}
+
+
 def test_kernel_times_runs_on_a_host_without_device_kernels():
     fn = jax.jit(lambda x: x * 2)
     table = bu.kernel_times(fn, jnp.ones(4), calls=2)

@@ -33,5 +33,9 @@ def test_decode_benchmark_kernel_trace_names_every_path():
     )
     json.dumps(rec)
     assert set(rec["kernels_per_layer"]) == {"dense", "sparse", "twell"}
+    assert set(rec["timeline_per_layer"]) == {"dense", "sparse", "twell"}
+    for line in rec["timeline_per_layer"].values():
+        assert set(line) == {"kernels", "busy_us", "span_us"}
+        assert 0 <= line["busy_us"] <= line["span_us"] or line["span_us"] == 0
     for table in rec["kernels_per_layer"].values():  # empty on a CPU: no device kernels
         assert all(set(v) == {"per_layer", "mean_us"} for v in table.values())

@@ -268,9 +268,9 @@ def test_launch_sizes_shrink_to_fit_shared_memory():
 
     cfg = DecodeConfig()
     assert [kernels._fit_block_k(cfg, mp) for mp in (16, 32, 64)] == [256, 256, 128]
-    assert [kernels._fit_block_h(cfg, mp) for mp in (16, 32, 64)] == [256, 128, 256]
-    wide = DecodeConfig(block_h=1024)
-    assert kernels._fit_block_h(wide, 64) == 256 and kernels._fit_block_h(wide, 16) == 256
+    assert [kernels._fit_block_h(cfg, mp) for mp in (16, 32, 64)] == [256, 256, 256]
+    wide = DecodeConfig(block_h=2048)  # the down loop's [group, block_h] tiles
+    assert [kernels._fit_block_h(wide, mp) for mp in (16, 32, 64)] == [1024, 512, 1024]
 
 
 @pytest.mark.gpu
