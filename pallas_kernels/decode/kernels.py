@@ -52,6 +52,11 @@ class DecodeConfig:
       H columns per step of a group's down loop (shrunk, like block_k, where the tiles
       would not fit).
     reduce_h: output columns per reduce_blocks program.
+    row_products_max_m: for M up to this, the firing neurons' products are per-row
+      CUDA-core dot products over whole rows of W_up and W_down, `row_group` neurons
+      at a time: one gather round trip per group, where the tensor-core tiles pad M
+      to 16 rows and loop over H. Larger M uses the tiles (per-row products cost more
+      than the round trips they save by M = 8; docs/performance_notes.md, "Decode").
     """
 
     block_n: int = 64
@@ -62,11 +67,13 @@ class DecodeConfig:
     gate_stages: int = 3
     reduce_h: int = 64
     reduce_warps: int = 4
+    row_products_max_m: int = 1
+    row_group: int = 4
 
     def unsupported(self, h: int, n: int) -> str | None:
         """Why these launches cannot run d_model H and d_ff N, or None."""
         fields = ("block_n", "block_k", "group", "block_h", "reduce_h", "gate_warps",
-                  "reduce_warps")  # fmt: skip
+                  "reduce_warps", "row_group")  # fmt: skip
         for field in fields:
             if not tr.is_pow2(getattr(self, field)):
                 return f"DecodeConfig.{field}={getattr(self, field)} must be a power of two"
@@ -130,7 +137,7 @@ def _dot_t(a: jax.Array, b: jax.Array) -> jax.Array:
 
 
 def _gate_up_down_kernel(x_ref, wg_ref, wu_ref, wd_ref, part_ref, counts_ref, bcount_ref,
-                         bad_ref, *, mp, block_n, block_k, group, block_h):  # fmt: skip
+                         bad_ref, *, mp, block_n, block_k, group, block_h, row_group):  # fmt: skip
     """Program j: neurons j*block_n + [0, block_n); the outputs are `BlockShares`'."""
     m, h = x_ref.shape
     n = wg_ref.shape[0]
@@ -170,6 +177,13 @@ def _gate_up_down_kernel(x_ref, wg_ref, wu_ref, wd_ref, part_ref, counts_ref, bc
     lane = tr.iota(block_n)
     slot = jnp.cumsum(active) - 1  # an active lane's rank in the block
 
+    if row_group:
+        fire = functools.partial(
+            _fire_by_rows, x_ref, wu_ref, wd_ref, part_ref, j=j, group=row_group
+        )
+        pl.when(n_active > 0)(lambda: fire(g, active, slot, n_active))
+        return
+
     @pl.when(n_active > 0)
     def _():
         member = tr.iota(group)
@@ -205,6 +219,45 @@ def _gate_up_down_kernel(x_ref, wg_ref, wu_ref, wd_ref, part_ref, counts_ref, bc
         lax.fori_loop(0, pl.cdiv(n_active, group), up_down_group, 0)
 
 
+def _fire_by_rows(x_ref, wu_ref, wd_ref, part_ref, g, active, slot, n_active, *, j, group):
+    """The firing phase for small M (`DecodeConfig.row_products_max_m`): per group of
+    the block's active neurons, their whole W_up and W_down rows in one gather, then
+    for each token row r the up products x_r . Wu[id] and the share sum_id h[r, id]
+    Wd[id] as CUDA-core products (M is small; nothing is padded).
+
+    g: bf16 [Mp, block_n] gate of the block; active, slot: int32 [block_n] (1 where a
+    lane fires; its rank among the active lanes); n_active: int32 scalar."""
+    m, h = x_ref.shape
+    block_n = g.shape[1]
+    rows, lane, member, cols = (tr.iota(k) for k in (g.shape[0], block_n, group, h))
+    g32 = g.astype(_F32)
+
+    def one_group(q, carry):
+        onehot = (slot[None, :] == (q * group + member)[:, None]) & (active[None, :] > 0)
+        ok = (q * group + member < n_active)[:, None]
+        ids = j * block_n + jnp.sum(jnp.where(onehot, lane[None, :], 0), axis=1)
+        wu = tr.load(wu_ref.at[ids[:, None], cols[None, :]], mask=ok, other=0)  # [group, H]
+        wd = tr.load(wd_ref.at[ids[:, None], cols[None, :]], mask=ok, other=0)
+        earlier = jnp.broadcast_to(q > 0, (h,))  # a later group adds to the share so far
+        for r in range(m):
+            x_r = tr.load(x_ref.at[r, cols]).astype(_F32)
+            u = jnp.sum(wu.astype(_F32) * x_r[None, :], axis=1)  # [group] fp32
+            g_r = jnp.sum(jnp.where(rows[:, None] == r, g32, 0), axis=0)  # row r of g
+            g_ids = jnp.sum(jnp.where(onehot, g_r[None, :], 0), axis=1)  # exact: one term
+            hv = (g_ids * u.astype(_BF16).astype(_F32)).astype(_BF16).astype(_F32)
+            share = jnp.sum(hv[:, None] * wd.astype(_F32), axis=0)  # [H] fp32
+            dst = part_ref.at[j, r, cols]
+            tr.store(dst, share + tr.load(dst, mask=earlier, other=0))
+        return carry
+
+    lax.fori_loop(0, pl.cdiv(n_active, group), one_group, 0)
+
+
+def _row_group(cfg: DecodeConfig, m: int) -> int:
+    """Neurons per step of `_fire_by_rows` for M tokens; 0: the tensor-core tiles."""
+    return cfg.row_group if m <= cfg.row_products_max_m else 0
+
+
 def gate_up_down(x, w_gate, w_up, w_down, cfg: DecodeConfig, *, interpret: bool) -> BlockShares:
     """x [M, H] bf16, weights [N, H] bf16 -> `BlockShares`."""
     m, h = x.shape
@@ -214,7 +267,7 @@ def gate_up_down(x, w_gate, w_up, w_down, cfg: DecodeConfig, *, interpret: bool)
     nb = n // cfg.block_n
     kernel = functools.partial(
         _gate_up_down_kernel, mp=mp, block_n=cfg.block_n, block_k=block_k, group=cfg.group,
-        block_h=_fit_block_h(cfg, mp),
+        block_h=_fit_block_h(cfg, mp), row_group=_row_group(cfg, m),
     )  # fmt: skip
     out = tr.pallas_call(
         kernel,

@@ -10,6 +10,7 @@ MLP's plus 1e-3 of the output's largest magnitude); fp32 inputs (xla only) allow
 of the largest magnitude. Inference only: gradients are not tested.
 """
 
+import dataclasses
 import statistics
 
 import jax
@@ -28,13 +29,18 @@ H, N = 128, 512
 # pieces (8) than neuron blocks (4), so some programs check two pieces of x, and up to
 # 8 up groups per block.
 SMALL = DecodeConfig(block_n=32, block_k=64, block_h=64, reduce_h=64)
-SMALL_GROUPS = DecodeConfig(block_n=128, block_k=16, group=16, block_h=32, reduce_h=32)
+# SMALL_GROUPS also takes its firing neurons 2 at a time where M <= 8 (row products);
+# TILES runs the tensor-core firing phase at every M.
+SMALL_GROUPS = DecodeConfig(block_n=128, block_k=16, group=16, block_h=32, reduce_h=32, row_group=2)
+TILES = dataclasses.replace(SMALL, row_products_max_m=0)
 IMPLS = [
     pytest.param(("interpret", SMALL), id="interpret"),
     pytest.param(("interpret", SMALL_GROUPS), id="interpret_groups"),
+    pytest.param(("interpret", TILES), id="interpret_tiles"),
     pytest.param(("xla", SMALL), id="xla"),
     pytest.param(("pallas", SMALL), id="gpu", marks=pytest.mark.gpu),
     pytest.param(("pallas", SMALL_GROUPS), id="gpu_groups", marks=pytest.mark.gpu),
+    pytest.param(("pallas", TILES), id="gpu_tiles", marks=pytest.mark.gpu),
 ]
 
 
