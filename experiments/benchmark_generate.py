@@ -60,7 +60,7 @@ def case(
     stop = jnp.zeros((0,), jnp.int32)
     key = jax.random.key(0)
     fns = {ffn: generate.generation_fns(cfg, ffn) for ffn in FFNS}
-    params = generate.serving_params(params)
+    params = generate.serving_params(params, cfg)
     times = {ffn: {"prefill": [], "decode": []} for ffn in FFNS}
     generated = {}
     for rnd in range(reps + 1):  # round 0 compiles and warms up

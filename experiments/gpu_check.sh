@@ -76,13 +76,14 @@ for what in "${@:-all}"; do
       done ;;
     decode)  # the FFN at decode sizes on two patterns, then 1.5B generation
       for p in uniform skew; do
-        python3 -m experiments.benchmark --mode=decode --decode_tokens=1,8,64,512 --reps=20 \
-          --pattern="$p" --out="$OUT/decode_ffn_${p}_h200.json" || status=1
+        python3 -m experiments.benchmark --mode=decode --decode_tokens=1,8,64 --reps=20 \
+          --pattern="$p" --decode_kernel_trace --out="$OUT/decode_ffn_${p}_h200.json" || status=1
       done
-      python3 -m experiments.benchmark --mode=decode --decode_tokens=1,8,64 --reps=10 \
-        --decode_kernel_trace --out="$OUT/decode_ffn_uniform_kernels_h200.json" || status=1
       python3 -m experiments.benchmark --mode=generate --model_presets=1.5b \
-        --generate_batch=1,8,64 --reps=3 --out="$OUT/generate_1.5b_h200.json" || status=1 ;;
+        --generate_batch=1,8,64 --reps=3 --decode_kernel_trace \
+        --out="$OUT/generate_1.5b_h200.json" || status=1
+      python3 -m experiments.benchmark_attention_layout \
+        --out="$OUT/attention_layout_decode_h200.json" || status=1 ;;
     train_memory)  # peak memory of the real 2B step, dense and sparse
       python3 -m experiments.benchmark_memory --preset=2b --batch=8 --seq=2048 \
         --ffn_impls=dense,sparse --model_nnz=29 --out="$OUT/train_step_memory_2b_h200.json" \

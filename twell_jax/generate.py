@@ -13,8 +13,8 @@ that hides its padding, so a row generates the same tokens alone or in any batch
 cache slots 0..P-1, and samples the first token; each jitted decode step feeds the
 last token at slot P + t. The cache is [L, B, P + max_new_tokens, n_kv_heads,
 head_dim] in the compute dtype, updated in place (the step donates its state). The
-layers run unrolled over per-layer weight buffers (`serving_params`), so that no step
-copies a layer's weights out of the stacked training layout.
+layers run unrolled over per-layer weight buffers in the compute dtype, with the
+attention projections re-laid for one-token products (`twell_jax.serving`).
 
 Without a streaming callback the decode steps run in one `lax.while_loop` that stops
 when every row has produced a stop token; with one, a Python loop calls the jitted
@@ -45,11 +45,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from twell_jax import lm_loss
 from twell_jax.config import ModelConfig
 from twell_jax.model import check_token_ids, rope_angles
+from twell_jax.serving import merge_model, run_layers, serving_params
 from twell_jax.train import model_graphdef
 
 Params = dict[str, Any]
@@ -164,53 +164,6 @@ class DecodeState:
     key: jax.Array
 
 
-def serving_params(params: Params) -> Params:
-    """params with the stacked [L, ...] block parameters split into a tuple of L
-    per-layer trees (new device buffers; already split params are returned as they are).
-
-    The generation steps run their layers unrolled over these: a layer's weights then
-    are whole buffers that the FFN kernels read in place, where a slice of the stacked
-    arrays would be copied out for them in every layer of every step.
-    """
-    blocks = params["blocks"]
-    if isinstance(blocks, tuple):
-        return params
-    n = jax.tree.leaves(blocks)[0].shape[0]
-    layers = tuple(jax.tree.map(lambda a, i=i: a[i], blocks) for i in range(n))
-    return {**params, "blocks": layers}
-
-
-def _merge(graphdef: nnx.GraphDef, params: Params):
-    """The model from serving params. Its stacked blocks are a stub built from the
-    per-layer trees that nothing reads (XLA drops it): `_run_layers` uses the layers."""
-    stub = jax.tree.map(lambda *a: jnp.stack(a), *params["blocks"])
-    return nnx.merge(graphdef, {**params, "blocks": stub})
-
-
-def _run_layers(model, layers, x, cos, sin, cache_k, cache_v, slot, mask):
-    """The blocks over x [B, S, H] with the KV cache: new keys / values go to slots
-    slot..slot+S-1, queries attend to the slots `mask` [B, 1, S, T] allows.
-
-    layers: the per-layer parameter trees of `serving_params`, run unrolled.
-    Returns (final-norm hidden states [B, S, H], cache_k, cache_v).
-    """
-    graphdef = nnx.split(model.blocks)[0]
-    off = jnp.zeros((), bool)
-    for i, block_state in enumerate(layers):
-        block = nnx.merge(graphdef, block_state)
-        q, k, v = block.attn.qkv(block.attn_norm(x), cos, sin)
-        at = (i, 0, slot, 0, 0)
-        cache_k = jax.lax.dynamic_update_slice(cache_k, k[None].astype(cache_k.dtype), at)
-        cache_v = jax.lax.dynamic_update_slice(cache_v, v[None].astype(cache_v.dtype), at)
-        # XLA attention: cuDNN's flash attention takes no arbitrary (left-padding) mask.
-        o = jax.nn.dot_product_attention(q, cache_k[i], cache_v[i], mask=mask, implementation="xla")
-        x = x + block.attn.output(o)
-        b, s, h = x.shape
-        out, _ = block.ffn(block.ffn_norm(x).reshape(b * s, h), off)
-        x = x + out.reshape(x.shape)
-    return model.final_norm(x), cache_k, cache_v
-
-
 def _attention_mask(query_slots: jax.Array, pad: jax.Array, t: int) -> jax.Array:
     """Which cache slots each query sees: bool [B, 1, S, T].
 
@@ -251,14 +204,14 @@ def _compiled(
 
     def prefill(params, tokens, pad, max_new, key, stop):
         b, p = tokens.shape  # static: the FFN path is picked at trace time
-        model = _merge(prefill_def if b * p >= min_prefill_tokens else dense_def, params)
+        model = merge_model(prefill_def if b * p >= min_prefill_tokens else dense_def, params)
         cols = jnp.arange(p)
         cos, sin = rope_angles(jnp.maximum(cols - pad[:, None], 0), cfg.head_dim, cfg.rope_theta)
         mask = _attention_mask(cols, pad, p + max_new)
         shape = (cfg.n_layers, b, p + max_new, cfg.kv_heads, cfg.head_dim)
         cache = jnp.zeros(shape, cfg.compute_dtype)
-        x, cache_k, cache_v = _run_layers(
-            model, params["blocks"], _embed(model, tokens), cos, sin, cache, cache, 0, mask
+        x, cache_k, cache_v = run_layers(
+            model, params, _embed(model, tokens), cos, sin, cache, cache, 0, mask
         )
         key, sub = jax.random.split(key)
         first = sample(lm_loss.logits(x[:, -1], model.head_weight()), sub, sampling)
@@ -275,15 +228,15 @@ def _compiled(
         return _record(state, first, stop)
 
     def step(params, state, stop):
-        model = _merge(decode_def, params)
+        model = merge_model(decode_def, params)
         t = state.cache_k.shape[2]
         slot = t - state.tokens.shape[1] + state.step - 1  # P + step - 1: `last`'s slot
         pos = (slot - state.pad)[:, None]  # [B, 1]
         cos, sin = rope_angles(pos, cfg.head_dim, cfg.rope_theta)
         mask = _attention_mask(slot[None], state.pad, t)
-        x, cache_k, cache_v = _run_layers(
+        x, cache_k, cache_v = run_layers(
             model,
-            params["blocks"],
+            params,
             _embed(model, state.last[:, None]),
             cos,
             sin,
@@ -315,7 +268,7 @@ def generation_fns(
 ):
     """The jitted (prefill, step, loop) that `generate` runs, for timing them apart.
 
-    Their params are `serving_params(params)`.
+    Their params are `serving_params(params, cfg)`.
     prefill(params, tokens [B, P], pad [B], max_new (static), key, stop) -> DecodeState
     with the first new token; loop(params, state, stop) runs the remaining decode steps
     (donating state); step(params, state, stop) is one of them.
@@ -407,7 +360,7 @@ def generate(
     prompts = [[int(t) for t in row] for row in prompts]
     _check_prompts(cfg, prompts, max_new_tokens)
     prefill, step, loop = generation_fns(cfg, ffn, sampling)
-    params = serving_params(params)
+    params = serving_params(params, cfg)
     tokens, pad = _left_pad(prompts)
     stop = jnp.asarray(list(stop_tokens), jnp.int32)
     key = jax.random.key(seed)

@@ -1,0 +1,111 @@
+"""Serving weights and the unrolled layer stack that generation runs (docs/design.md §11).
+
+    params = serving_params(params, cfg)      # once, before generating
+    model = merge_model(graphdef, params)     # embed, final norm, head
+    x, cache_k, cache_v = run_layers(model, params, x, cos, sin, cache_k, cache_v, slot, mask)
+
+`serving_params` re-lays a model's parameters for token-by-token decoding:
+- the stacked [L, ...] block parameters become a tuple of L per-layer trees, so that a
+  layer's weights are whole buffers that the FFN kernels read in place (a slice of the
+  stacked arrays would be copied out for them in every layer of every step);
+- every matrix is cast to the compute dtype once (cast at use, a decode step would
+  read fp32 masters and write bf16 copies of every weight in every step: more bytes
+  than the step itself reads);
+- the attention projections become two 2-D matrices with H last, as the FFN's are:
+  W_q, W_k and W_v stacked into one [(nH + 2 nKV) D, H] matrix (one product instead
+  of three), and W_o as [H, nH D]. With the training layout ([H, nH, D] and [nH, D, H])
+  a one-token product ran as a reduction over the weight's leading axis, far below the
+  memory bandwidth that a GEMV reaches (docs/performance_notes.md, "Generation").
+  The block trees keep empty placeholders for the four attention weights, so that
+  `nnx.merge` still builds their norms and FFN.
+
+The math is the model's (`twell_jax.model.Block`): the same products and rounding
+points, the q, k and v columns of one product instead of three.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from twell_jax.config import ModelConfig
+from twell_jax.model import apply_rope
+
+Params = dict[str, Any]
+ATTENTION_KEY = "attention"
+_PLACEHOLDER = ("wq", "wk", "wv", "wo")
+
+
+def serving_params(params: Params, cfg: ModelConfig) -> Params:
+    """`Transformer(cfg)`'s pure-dict params in the serving layout (module docstring):
+    new device buffers; params already in that layout are returned as they are.
+
+    Returns {**params, "blocks": L per-layer trees, "attention": L dicts of "wqkv"
+    [(nH + 2 nKV) D, H] and "wo" [H, nH D]}, matrices in cfg's compute dtype."""
+    if ATTENTION_KEY in params:
+        return params
+    dtype = cfg.compute_dtype
+    cast = lambda a: a.astype(dtype) if a.ndim >= 2 else a  # norms' scales stay fp32
+    blocks = params["blocks"]
+    layers, attention = [], []
+    for i in range(cfg.n_layers):
+        layer = jax.tree.map(lambda a, i=i: cast(a[i]), blocks)
+        att = layer["attn"]
+        h = cfg.d_model
+        wqkv = jnp.concatenate([att[k].reshape(h, -1) for k in ("wq", "wk", "wv")], axis=1)
+        wo = att["wo"].reshape(-1, h)  # [nH D, H]
+        attention.append({"wqkv": wqkv.T, "wo": wo.T})
+        empty = jnp.zeros((0,), dtype)
+        layers.append({**layer, "attn": {k: empty for k in _PLACEHOLDER}})
+    head = {k: jax.tree.map(cast, v) for k, v in params.items() if k != "blocks"}
+    return {**head, "blocks": tuple(layers), ATTENTION_KEY: tuple(attention)}
+
+
+def merge_model(graphdef: nnx.GraphDef, params: Params):
+    """The model from serving params, for its embedding, final norm and head. Its
+    stacked blocks are a stub built from the per-layer trees that nothing reads (XLA
+    drops it): `run_layers` uses the layers."""
+    stub = jax.tree.map(lambda *a: jnp.stack(a), *params["blocks"])
+    rest = {k: v for k, v in params.items() if k not in ("blocks", ATTENTION_KEY)}
+    return nnx.merge(graphdef, {**rest, "blocks": stub})
+
+
+def _qkv(att: Params, x: jax.Array, cos, sin, cfg: ModelConfig):
+    """x [B, S, H] normed -> q [B, S, nH, D], k and v [B, S, nKV, D], q and k rotated."""
+    b, s, _ = x.shape
+    n, kv, d = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+    y = jnp.einsum("bsh,fh->bsf", x, att["wqkv"].astype(x.dtype))
+    q, k, v = jnp.split(y, [n * d, (n + kv) * d], axis=-1)
+    q = apply_rope(q.reshape(b, s, n, d), cos, sin)
+    return q, apply_rope(k.reshape(b, s, kv, d), cos, sin), v.reshape(b, s, kv, d)
+
+
+def run_layers(model, params: Params, x, cos, sin, cache_k, cache_v, slot, mask):
+    """The blocks over x [B, S, H] with the KV cache: new keys / values go to slots
+    slot..slot+S-1, queries attend to the slots `mask` [B, 1, S, T] allows.
+
+    params: `serving_params`' tree; its layers run unrolled.
+    Returns (final-norm hidden states [B, S, H], cache_k, cache_v).
+    """
+    cfg = model.cfg
+    graphdef = nnx.split(model.blocks)[0]
+    off = jnp.zeros((), bool)
+    for i, (block_state, att) in enumerate(
+        zip(params["blocks"], params[ATTENTION_KEY], strict=True)
+    ):
+        block = nnx.merge(graphdef, block_state)
+        q, k, v = _qkv(att, block.attn_norm(x), cos, sin, cfg)
+        at = (i, 0, slot, 0, 0)
+        cache_k = jax.lax.dynamic_update_slice(cache_k, k[None].astype(cache_k.dtype), at)
+        cache_v = jax.lax.dynamic_update_slice(cache_v, v[None].astype(cache_v.dtype), at)
+        # XLA attention: cuDNN's flash attention takes no arbitrary (left-padding) mask.
+        o = jax.nn.dot_product_attention(q, cache_k[i], cache_v[i], mask=mask, implementation="xla")
+        b, s, h = x.shape
+        wo = att["wo"].astype(x.dtype)
+        x = x + jnp.einsum("bsf,hf->bsh", o.reshape(b, s, -1), wo)
+        out, _ = block.ffn(block.ffn_norm(x).reshape(b * s, h), off)
+        x = x + out.reshape(x.shape)
+    return model.final_norm(x), cache_k, cache_v
