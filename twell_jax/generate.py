@@ -29,8 +29,8 @@ only the batch's active rows of W_up and W_down, docs/design.md §4.5; a non-gat
 model decodes densely). "auto", for a model configured with ffn_impl="twell" or
 "decode", takes the faster path as measured on an H200 (docs/results.md, "Decode and
 generation"): the TwELL prefill from `AUTO_TWELL_PREFILL_TOKENS` prompt tokens up, the
-dense FFN below that and in every decode step (the decode op is not faster than XLA's
-dense GEMVs at any batch measured); for any other model "auto" is "dense" (the
+dense FFN below that and in every decode step (the decode op is faster end to end at
+batch 1 only, and even at batch 8); for any other model "auto" is "dense" (the
 sparse training kernels have no inference advantage over dense, as in
 `train.make_eval_step`).
 """
