@@ -30,17 +30,15 @@ H, N = 128, 512
 # 8 up groups per block.
 SMALL = DecodeConfig(block_n=32, block_k=64, block_h=64, reduce_h=64)
 # SMALL_GROUPS also takes its firing neurons 2 at a time where M <= 8 (row products);
-# TILES runs the tensor-core firing phase at every M.
+# TILES runs the tensor-core firing phase at every M (M = 1 is where it differs).
 SMALL_GROUPS = DecodeConfig(block_n=128, block_k=16, group=16, block_h=32, reduce_h=32, row_group=2)
 TILES = dataclasses.replace(SMALL, row_products_max_m=0)
 IMPLS = [
     pytest.param(("interpret", SMALL), id="interpret"),
     pytest.param(("interpret", SMALL_GROUPS), id="interpret_groups"),
-    pytest.param(("interpret", TILES), id="interpret_tiles"),
     pytest.param(("xla", SMALL), id="xla"),
     pytest.param(("pallas", SMALL), id="gpu", marks=pytest.mark.gpu),
     pytest.param(("pallas", SMALL_GROUPS), id="gpu_groups", marks=pytest.mark.gpu),
-    pytest.param(("pallas", TILES), id="gpu_tiles", marks=pytest.mark.gpu),
 ]
 
 
@@ -115,6 +113,18 @@ def test_random_sparse_inputs_match_dense(impl, m):
     k, l0 = expected_stats(x, wg)
     assert int(stats.active_neurons) == k and int(stats.dense_fallback) == 0
     assert float(stats.l0) == pytest.approx(l0)
+
+
+@pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("cfg", [SMALL, TILES], ids=["row_products", "tiles"])
+@pytest.mark.parametrize("k", [1, 3, 4, 5, 17, 48], ids=lambda k: f"k{k}")
+def test_both_firing_phases_at_one_token(backend, cfg, k):
+    """M = 1 through the row products (groups of 4: k around their edges) and through
+    the tensor-core tiles, exact on integer inputs."""
+    x, wg, wu, wd = controlled_mlp(5, first_k_active(1, N, k))
+    out, stats = run((backend, cfg), x, wg, wu, wd)
+    assert int(stats.active_neurons) == k and int(stats.dense_fallback) == 0
+    assert_exact(out, x, wg, wu, wd)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
