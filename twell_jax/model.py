@@ -159,9 +159,10 @@ class Attention(nnx.Module):
     def output(self, o: jax.Array) -> jax.Array:
         """Per-head attention outputs [B, S, nH, D] -> [B, S, H] compute dtype.
 
-        One 2-D product over the flattened (head, D) axis: with two contracting axes
-        XLA wrote the [nH, D, H] product out before summing it at decode sizes, three
-        times the read of W_o (docs/performance_notes.md, "Generation")."""
+        One 2-D product over the flattened (head, D) axis. Generation uses W_o as
+        [H, nH D] instead (`twell_jax.serving`): at one token per call XLA compiles
+        both this layout and the einsum over (head, D) into a slow reduction
+        (docs/performance_notes.md, "Generation")."""
         n, d, h = self.wo.shape
         wo = self.wo[...].astype(self.dtype).reshape(n * d, h)
         return jnp.dot(o.reshape(*o.shape[:-2], n * d), wo)
