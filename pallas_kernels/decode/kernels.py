@@ -136,6 +136,19 @@ def _dot_t(a: jax.Array, b: jax.Array) -> jax.Array:
     return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=_F32)
 
 
+def _group_lanes(q, group: int, slot, active, n_active, j):
+    """Group q of block j's active neurons (ranks q*group .. q*group + group - 1).
+
+    slot, active: int32 [block_n] (an active lane's rank; 1 where a lane fires).
+    Returns onehot bool [group, block_n] (member -> its lane), ok bool [group] (the
+    member exists) and ids int32 [group] (its neuron; block j's first where not ok)."""
+    block_n = slot.shape[0]
+    rank = q * group + tr.iota(group)
+    onehot = (slot[None, :] == rank[:, None]) & (active[None, :] > 0)
+    ids = j * block_n + jnp.sum(jnp.where(onehot, tr.iota(block_n)[None, :], 0), axis=1)
+    return onehot, rank < n_active, ids
+
+
 def _gate_up_down_kernel(x_ref, wg_ref, wu_ref, wd_ref, part_ref, counts_ref, bcount_ref,
                          bad_ref, *, mp, block_n, block_k, group, block_h, row_group):  # fmt: skip
     """Program j: neurons j*block_n + [0, block_n); the outputs are `BlockShares`'."""
@@ -174,7 +187,6 @@ def _gate_up_down_kernel(x_ref, wg_ref, wu_ref, wd_ref, part_ref, counts_ref, bc
     n_active = jnp.sum(active)
     counts_ref[neurons] = counts
     bcount_ref[j] = n_active
-    lane = tr.iota(block_n)
     slot = jnp.cumsum(active) - 1  # an active lane's rank in the block
 
     if row_group:
@@ -186,14 +198,10 @@ def _gate_up_down_kernel(x_ref, wg_ref, wu_ref, wd_ref, part_ref, counts_ref, bc
 
     @pl.when(n_active > 0)
     def _():
-        member = tr.iota(group)
         out_ok = jnp.broadcast_to(row_ok[:, None], (mp, block_h))
 
         def up_down_group(q, carry):
-            # lanes of the block's active neurons q*group .. q*group + group - 1
-            onehot = (slot[None, :] == (q * group + member)[:, None]) & (active[None, :] > 0)
-            ok = q * group + member < n_active
-            ids = j * block_n + jnp.sum(jnp.where(onehot, lane[None, :], 0), axis=1)
+            onehot, ok, ids = _group_lanes(q, group, slot, active, n_active, j)
 
             def up_step(k, acc):
                 cols = k * block_k + tr.iota(block_k)
@@ -228,17 +236,16 @@ def _fire_by_rows(x_ref, wu_ref, wd_ref, part_ref, g, active, slot, n_active, *,
     g: bf16 [Mp, block_n] gate of the block; active, slot: int32 [block_n] (1 where a
     lane fires; its rank among the active lanes); n_active: int32 scalar."""
     m, h = x_ref.shape
-    block_n = g.shape[1]
-    rows, lane, member, cols = (tr.iota(k) for k in (g.shape[0], block_n, group, h))
+    rows, cols = tr.iota(g.shape[0]), tr.iota(h)
     g32 = g.astype(_F32)
 
     def one_group(q, carry):
-        onehot = (slot[None, :] == (q * group + member)[:, None]) & (active[None, :] > 0)
-        ok = (q * group + member < n_active)[:, None]
-        ids = j * block_n + jnp.sum(jnp.where(onehot, lane[None, :], 0), axis=1)
-        wu = tr.load(wu_ref.at[ids[:, None], cols[None, :]], mask=ok, other=0)  # [group, H]
-        wd = tr.load(wd_ref.at[ids[:, None], cols[None, :]], mask=ok, other=0)
+        onehot, ok, ids = _group_lanes(q, group, slot, active, n_active, j)
+        wu = tr.load(wu_ref.at[ids[:, None], cols[None, :]], mask=ok[:, None], other=0)
+        wd = tr.load(wd_ref.at[ids[:, None], cols[None, :]], mask=ok[:, None], other=0)
         earlier = jnp.broadcast_to(q > 0, (h,))  # a later group adds to the share so far
+        # wu / wd stay bf16 (half the registers of [group, H] fp32 tiles); the
+        # products convert them per row
         for r in range(m):
             x_r = tr.load(x_ref.at[r, cols]).astype(_F32)
             u = jnp.sum(wu.astype(_F32) * x_r[None, :], axis=1)  # [group] fp32
