@@ -262,8 +262,6 @@ def kernel_times(fn, *args, calls: int = 5) -> dict[str, dict]:
 
 
 def call_timeline(fn, *args) -> dict:
-    """`gpu_timeline` of one call of `fn(*args)` after one warm-up, with its kernels
-    ("kernels_by_name": `kernel_table` of that call)."""
+    """`gpu_timeline` of one call of `fn(*args)` after one warm-up."""
     jax.block_until_ready(fn(*args))
-    events = trace_events(lambda: fn(*args))
-    return {**gpu_timeline(events), "kernels_by_name": kernel_table(events, 1)}
+    return gpu_timeline(trace_events(lambda: fn(*args)))

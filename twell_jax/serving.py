@@ -49,12 +49,11 @@ def serving_params(params: Params, cfg: ModelConfig) -> Params:
         return params
     dtype = cfg.compute_dtype
     cast = lambda a: a.astype(dtype) if a.ndim >= 2 else a  # norms' scales stay fp32
-    blocks = params["blocks"]
+    blocks, h = params["blocks"], cfg.d_model
     layers, attention = [], []
     for i in range(cfg.n_layers):
         layer = jax.tree.map(lambda a, i=i: cast(a[i]), blocks)
         att = layer["attn"]
-        h = cfg.d_model
         wqkv = jnp.concatenate([att[k].reshape(h, -1) for k in ("wq", "wk", "wv")], axis=1)
         wo = att["wo"].reshape(-1, h)  # [nH D, H]
         attention.append({"wqkv": wqkv.T, "wo": wo.T})

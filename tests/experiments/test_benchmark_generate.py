@@ -24,15 +24,3 @@ def test_generate_benchmark_records_both_ffns_and_their_step_profiles():
         }  # fmt: skip
         assert profile["busy_us_per_step"] <= profile["span_us_per_step"]
     assert 0 <= rec["same_tokens_fraction"] <= 1
-
-
-def test_attention_layout_benchmark_times_every_layout_at_both_m(monkeypatch):
-    from experiments import benchmark_attention_layout as bal
-
-    for name, value in {"H": 64, "HEADS": 4, "HEAD_DIM": 16, "LAYERS": 2}.items():
-        monkeypatch.setattr(bal, name, value)  # a small shape: the same code path
-    res = bal.run()
-    json.dumps(res)
-    assert set(res) == {f"{name}_m{m}" for name in bal._layouts() for m in (1, 8)}
-    for rec in res.values():  # no device kernels on a CPU: zero busy time
-        assert 0 <= rec["busy_us_per_layer"] <= rec["span_us_per_layer"] or not rec["kernels"]
