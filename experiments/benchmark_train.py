@@ -125,7 +125,7 @@ def _breakdown(
         )
     )
     p = gate(x, wg)
-    ell, _ = compact(p)
+    ell, *_ = compact(p)
     cnt = fmt.ell_counts(ell.counts, width)
     sddmm_up = jax.jit(functools.partial(row_kernels.sddmm_up, **kw["sddmm_up"]))
     r, t, _ = sddmm_up(x, wu, cnt, ell.cols, ell.vals)

@@ -25,6 +25,9 @@ from pallas_kernels.sparse_train._launch import NUM_STAGES, iota
 from pallas_kernels.sparse_train.format import EllRows
 
 _I32 = jnp.int32
+# Added to a (row, tile) count per non-finite gate value: a power of two above any
+# count (N < 2**20), so count = marked & (_NONFINITE - 1).
+_NONFINITE = 1 << 20
 # The dense gate is read once: stream it past L2.
 _STREAM = "evict_first"
 
@@ -129,8 +132,10 @@ def compact_rows(
         interpret: Pallas interpret mode (None: interpret unless on a GPU).
 
     Returns:
-        (EllRows with true counts and per-column ELL counts, fired bool [N]). Slots at
-        or past a row's count hold zeros.
+        (EllRows with true counts and per-column ELL counts, fired bool [N],
+        all_finite bool scalar: no gate value is NaN or +-Inf). Slots at or past a
+        row's count hold zeros. Positives are counted among finite values; with a
+        non-finite gate the ELL part is not meaningful (callers run densely then).
     """
     if impl == "xla":
         return compact_rows_ref(p, width)
@@ -139,7 +144,13 @@ def compact_rows(
     if n % block_cols or launch.unsupported("compact") or not _triton.is_pow2(width):
         raise ValueError(f"compact_rows: unsupported N={n}, blocks {block_rows}x{block_cols}")
     tiles = n // block_cols
-    tile_counts = jnp.sum((p > 0).reshape(m, tiles, block_cols), axis=2, dtype=_I32)
+    # One XLA pass over the gate counts the positives and flags non-finite values (a
+    # large marker each, masked off the counts), so the caller's finiteness check of
+    # x and W_gate costs no second read of an [M, N] or [M, H] array.
+    marked = jnp.where(jnp.isfinite(p), (p > 0).astype(_I32), _NONFINITE)
+    marked = jnp.sum(marked.reshape(m, tiles, block_cols), axis=2, dtype=_I32)
+    all_finite = jnp.all(marked < _NONFINITE)
+    tile_counts = marked & (_NONFINITE - 1)
     ends = jnp.cumsum(tile_counts, axis=1, dtype=_I32)
     row_blocks = pl.cdiv(m, block_rows)
     kernel = functools.partial(
@@ -169,7 +180,7 @@ def compact_rows(
     # info = (BR + 1) * entries + ELL entries, summed over the row blocks.
     col_counts = jnp.sum(info % (block_rows + 1), axis=0, dtype=_I32)
     fired = jnp.max(info, axis=0) > 0
-    return EllRows(totals, cols, vals, col_counts), fired
+    return EllRows(totals, cols, vals, col_counts), fired, all_finite
 
 
 def compact_rows_ref(p: jax.Array, width: int) -> tuple[EllRows, jax.Array]:
@@ -180,7 +191,8 @@ def compact_rows_ref(p: jax.Array, width: int) -> tuple[EllRows, jax.Array]:
         width: W, the ELL width.
 
     Returns:
-        (EllRows, fired) where fired is bool [N]: the neuron is positive in some row.
+        (EllRows, fired, all_finite): fired is bool [N], the neuron is positive in some
+        row; all_finite a bool scalar, no value of p is NaN or +-Inf.
     """
     m, n = p.shape
     pos = p > 0
@@ -192,4 +204,4 @@ def compact_rows_ref(p: jax.Array, width: int) -> tuple[EllRows, jax.Array]:
     col_ids = jnp.broadcast_to(jnp.arange(n, dtype=_I32)[None, :], (m, n))
     cols = jnp.zeros((m, width), _I32).at[rows, slot].set(col_ids, mode="drop")
     vals = jnp.zeros((m, width), p.dtype).at[rows, slot].set(p, mode="drop")
-    return EllRows(counts, cols, vals, col_counts), jnp.any(pos, axis=0)
+    return EllRows(counts, cols, vals, col_counts), jnp.any(pos, axis=0), jnp.isfinite(p).all()

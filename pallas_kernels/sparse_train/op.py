@@ -98,31 +98,29 @@ def _gather_rows(a, rows):
     return a.at[rows].get(mode="fill", fill_value=0)
 
 
-def _pad_rows(a, c_max):
-    return jnp.pad(a, ((0, c_max - a.shape[0]), (0, 0)))
-
-
-def _tail_fwd(cap, x, rows, wg, wu, wd):
-    """Dense formula on the first `cap` tail rows: (out [C_max, H], sum |h|)."""
-    c_max = rows.shape[0]
+def _tail_fwd(cap, out, x, rows, wg, wu, wd):
+    """Writes the dense formula's rows for the first `cap` tail rows into out [M, H];
+    returns (out, sum |h| of those rows). The tail rows' outputs are written inside
+    the bucket's branch, so a call without heavy rows runs no [C_max, H] scatter."""
     if cap == 0:
-        return jnp.zeros((c_max, x.shape[1]), x.dtype), jnp.zeros((), _F32)
-    out, l1 = dense_block(_gather_rows(x, rows[:cap]), wg, wu, wd)
-    return _pad_rows(out, c_max), l1
+        return out, jnp.zeros((), _F32)
+    sel = rows[:cap]
+    out_t, l1 = dense_block(_gather_rows(x, sel), wg, wu, wd)
+    return out.at[sel].set(out_t, mode="drop"), l1
 
 
-def _tail_bwd(cap, x, g_out, rows, wg, wu, wd, scale, dws):
-    """Adds the tail rows' gradients: (dx rows [C_max, H], (dWg, dWu, dWd))."""
-    c_max = rows.shape[0]
+def _tail_bwd(cap, dx, x, g_out, rows, wg, wu, wd, scale, dws):
+    """Writes the tail rows' dx into dx [M, H] and adds their weight gradients:
+    (dx, (dWg, dWu, dWd))."""
     if cap == 0:
-        return jnp.zeros((c_max, x.shape[1]), x.dtype), dws
+        return dx, dws
     sel = rows[:cap]
     _, vjp = jax.vjp(dense_block, _gather_rows(x, sel), wg, wu, wd)
     dxt, *dw_t = vjp((_gather_rows(g_out, sel), scale))
     dws = tuple(
         (a.astype(_F32) + b.astype(_F32)).astype(a.dtype) for a, b in zip(dws, dw_t, strict=True)
     )
-    return _pad_rows(dxt, c_max), dws
+    return dx.at[sel].set(dxt, mode="drop"), dws
 
 
 def _kernel_kwargs(static: _Static, launch) -> dict:
@@ -138,7 +136,7 @@ def _forward(static: _Static, x, wg, wu, wd):
         # keeps the entries > 0, so no separate relu pass over [M, N].
         u = jnp.einsum("mh,nh->mn", x, wg, preferred_element_type=x.dtype)
     with jax.named_scope("twell_compact"):
-        ell, fired = compaction.compact_rows(
+        ell, fired, gate_finite = compaction.compact_rows(
             u, width=width, launch=cfg.compact, impl=cfg.impl, interpret=static.interpret
         )
         plan = fmt.plan_tail(ell.counts, width, caps)
@@ -146,11 +144,13 @@ def _forward(static: _Static, x, wg, wu, wd):
     # Non-finite inputs run the dense formula, which propagates NaN/Inf exactly as the
     # reference does (the compaction reads a NaN gate as "not positive", and the SDDMM
     # never reads W_up/W_down outside the pattern). The backward reads the decision from
-    # the bucket in the residuals, so it is folded in there.
+    # the bucket in the residuals, so it is folded in there. A NaN or Inf in x or W_gate
+    # makes every gate of its row or column non-finite (Inf * 0 is NaN), so the
+    # compaction's check of U covers both; a gate that overflows bf16 from finite
+    # inputs also runs densely, as the reference's Inf would spread.
     with jax.named_scope("twell_finite_check"):
-        nonfinite = ~functools.reduce(
-            jnp.logical_and, [jnp.isfinite(a).all() for a in (x, wg, wu, wd)]
-        )
+        finite = gate_finite & jnp.isfinite(wu).all() & jnp.isfinite(wd).all()
+        nonfinite = ~finite
     bucket = jnp.where(nonfinite, len(caps), plan.bucket).astype(plan.bucket.dtype)
     fallback = bucket == len(caps)
 
@@ -163,8 +163,7 @@ def _forward(static: _Static, x, wg, wu, wd):
             out = row_kernels.spmm_rows(((t, wd),), ell_count, ell.cols, out_dtype=x.dtype, **kw)
         with jax.named_scope("twell_tail_fwd"):
             branches = [functools.partial(_tail_fwd, cap) for cap in caps]
-            out_t, l1_t = lax.switch(plan.bucket, branches, x, plan.rows, wg, wu, wd)
-            out = out.at[plan.rows].set(out_t, mode="drop")
+            out, l1_t = lax.switch(plan.bucket, branches, out, x, plan.rows, wg, wu, wd)
         return out, jnp.sum(l1_rows) + l1_t, r, t
 
     def dense(_):
@@ -251,10 +250,9 @@ def _op_bwd(static, res, cts):
             )
         with jax.named_scope("twell_tail_bwd"):
             branches = [functools.partial(_tail_bwd, cap) for cap in caps]
-            dx_t, (dwg, dwu, dwd) = lax.switch(
-                bucket, branches, x, g_out, rows, wg, wu, wd, scale, (dwg, dwu, dwd)
+            dx, (dwg, dwu, dwd) = lax.switch(
+                bucket, branches, dx, x, g_out, rows, wg, wu, wd, scale, (dwg, dwu, dwd)
             )
-            dx = dx.at[rows].set(dx_t, mode="drop")
         return dx, dwg, dwu, dwd
 
     def dense(_):

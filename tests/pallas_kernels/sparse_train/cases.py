@@ -85,7 +85,7 @@ def f32(a):
 def ell_of(x, wg, width):
     p = jax.nn.relu(jnp.einsum("mh,nh->mn", x, wg, preferred_element_type=jnp.float32))
     p = p.astype(x.dtype)
-    ell, fired = compaction.compact_rows_ref(p, width)
+    ell, fired, _ = compaction.compact_rows_ref(p, width)
     return p, ell, fmt.ell_counts(ell.counts, width), fired
 
 

@@ -21,7 +21,7 @@ def _gate(seed, m, n, density, heavy=(), zero=()):
 def test_compact_rows_ref_round_trip():
     m, n, w = 24, 96, 8
     p = _gate(0, m, n, 0.05, heavy=(2, 9), zero=(0, 5))
-    ell, fired = compaction.compact_rows_ref(p, w)
+    ell, fired, _ = compaction.compact_rows_ref(p, w)
     p_np = np.asarray(p, np.float32)
     np.testing.assert_array_equal(ell.counts, (p_np > 0).sum(1))
     np.testing.assert_array_equal(fired, (p_np > 0).any(0))
@@ -59,7 +59,7 @@ def test_plan_tail_buckets_and_fallback():
 def test_build_csc_sorted_by_neuron_then_token():
     m, n, w = 20, 64, 8
     p = _gate(1, m, n, 0.08, heavy=(4,), zero=(7,))
-    ell, _ = compaction.compact_rows_ref(p, w)
+    ell, *_ = compaction.compact_rows_ref(p, w)
     ell_count = fmt.ell_counts(ell.counts, w)
     csc = fmt.build_csc(ell_count, ell.cols, ell.col_counts)
     p_np = np.asarray(p, np.float32)

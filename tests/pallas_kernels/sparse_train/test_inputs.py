@@ -97,6 +97,8 @@ def _poison(inputs, where):
         x = x.at[3, 5].set(jnp.nan)
     elif where == "x_inf":
         x = x.at[7, 9].set(jnp.inf)
+    elif where == "w_gate_inf":
+        wg = wg.at[9, 3].set(-jnp.inf)
     elif where == "w_up_nan":
         wu = wu.at[11, 2].set(jnp.nan)
     else:
@@ -104,7 +106,7 @@ def _poison(inputs, where):
     return x, wg, wu, wd, proj
 
 
-@pytest.mark.parametrize("where", ["x_nan", "x_inf", "w_up_nan", "w_down_inf"])
+@pytest.mark.parametrize("where", ["x_nan", "x_inf", "w_gate_inf", "w_up_nan", "w_down_inf"])
 @pytest.mark.parametrize("interpret", MODES)
 def test_nonfinite_propagates_like_the_dense_reference(interpret, where):
     inputs = _poison(make_inputs(1, M, H, N, nnz=8, heavy=(0,)), where)
