@@ -176,8 +176,9 @@ def compact_rows(
         interpret=_triton.resolve_interpret(interpret),
         name="twell_compact_rows",
     )(p, ends - tile_counts, totals)
-    info = info.astype(_I32)
-    # info = (BR + 1) * entries + ELL entries, summed over the row blocks.
+    # info = (BR + 1) * entries + ELL entries, summed over the row blocks. Both
+    # reductions read the int16 records: converting them first made XLA write an int32
+    # copy of the whole [blocks, N] array between the two.
     col_counts = jnp.sum(info % (block_rows + 1), axis=0, dtype=_I32)
     fired = jnp.max(info, axis=0) > 0
     return EllRows(totals, cols, vals, col_counts), fired, all_finite
