@@ -29,8 +29,9 @@ only the batch's active rows of W_up and W_down, docs/design.md §4.5; a non-gat
 model decodes densely). "auto", for a model configured with ffn_impl="twell" or
 "decode", takes the faster path as measured on an H200 (docs/results.md, "Decode and
 generation"): the TwELL prefill from `AUTO_TWELL_PREFILL_TOKENS` prompt tokens up, the
-dense FFN below that and in every decode step (the decode op is faster end to end at
-batch 1 only, and even at batch 8); for any other model "auto" is "dense" (the
+dense FFN below that; the decode op in the decode steps of batches of up to
+`AUTO_DECODE_OP_MAX_BATCH` prompts (1.16x end to end at batch 1, even at batch 8),
+the dense FFN in larger ones; for any other model "auto" is "dense" (the
 sparse training kernels have no inference advantage over dense, as in
 `train.make_eval_step`).
 """
@@ -59,6 +60,9 @@ NO_TOKEN = -1
 # "auto" runs the TwELL prefill from this many prompt tokens (B x P) up: the TwELL FFN
 # was 0.84x dense at 512 tokens and 1.27x at 4096 (docs/results.md).
 AUTO_TWELL_PREFILL_TOKENS = 4096
+# "auto" decodes through the decode op up to this batch: 1.16x end to end at batch 1,
+# 1.01x at batch 8 (docs/results.md).
+AUTO_DECODE_OP_MAX_BATCH = 1
 # Padded prompt lengths are multiples of this, so that prompts of similar lengths share
 # one compiled prefill and decode loop.
 PROMPT_BUCKET = 8
@@ -113,7 +117,8 @@ def sample(logits: jax.Array, key: jax.Array, cfg: SamplingConfig) -> jax.Array:
 
 def inference_configs(cfg: ModelConfig, ffn: str = "auto") -> tuple[ModelConfig, ModelConfig]:
     """(prefill, decode) model configs for the `ffn` mode (module docstring); with
-    "auto" a TwELL prefill config runs only from `twell_prefill_min_tokens` tokens up.
+    "auto" a TwELL prefill config runs only from `twell_prefill_min_tokens` tokens up
+    and a decode-op config only up to `decode_op_max_batch` prompts.
 
     Raises:
       ValueError: an unknown mode, or "sparse" for a model the TwELL kernels cannot run
@@ -126,7 +131,6 @@ def inference_configs(cfg: ModelConfig, ffn: str = "auto") -> tuple[ModelConfig,
     if ffn == "sparse" or auto_sparse:
         # The decode path is gated only; a non-gated ReLU model decodes densely.
         decode = dataclasses.replace(dense, ffn_impl="decode") if cfg.gated else dense
-        decode = dense if auto_sparse else decode
         if cfg.dtype != "bfloat16":  # the TwELL kernels are bf16; the decode path is not
             return dense, decode
         return dataclasses.replace(dense, ffn_impl="twell"), decode
@@ -136,6 +140,11 @@ def inference_configs(cfg: ModelConfig, ffn: str = "auto") -> tuple[ModelConfig,
 def twell_prefill_min_tokens(ffn: str) -> int:
     """Prompt tokens (B x P) from which a TwELL prefill config runs: 0 for "sparse"."""
     return AUTO_TWELL_PREFILL_TOKENS if ffn == "auto" else 0
+
+
+def decode_op_max_batch(ffn: str) -> int | None:
+    """Prompts per batch up to which a decode-op config runs (None: any batch)."""
+    return AUTO_DECODE_OP_MAX_BATCH if ffn == "auto" else None
 
 
 @jax.tree_util.register_dataclass
@@ -195,9 +204,11 @@ def _compiled(
     decode_cfg: ModelConfig,
     sampling: SamplingConfig,
     min_prefill_tokens: int = 0,
+    max_decode_batch: int | None = None,
 ):
     """Jitted (prefill, step, loop) for one model / sampling setup (one compile per
-    shape); a prefill of fewer than `min_prefill_tokens` tokens runs the dense FFN."""
+    shape); a prefill of fewer than `min_prefill_tokens` tokens, and the decode steps of
+    a batch larger than `max_decode_batch` (None: no limit), run the dense FFN."""
     prefill_def, decode_def = model_graphdef(prefill_cfg), model_graphdef(decode_cfg)
     dense_def = model_graphdef(dataclasses.replace(prefill_cfg, ffn_impl="dense"))
     cfg = decode_cfg
@@ -228,7 +239,9 @@ def _compiled(
         return _record(state, first, stop)
 
     def step(params, state, stop):
-        model = merge_model(decode_def, params)
+        b = state.last.shape[0]  # static: the FFN path is picked at trace time
+        fits = max_decode_batch is None or b <= max_decode_batch
+        model = merge_model(decode_def if fits else dense_def, params)
         t = state.cache_k.shape[2]
         slot = t - state.tokens.shape[1] + state.step - 1  # P + step - 1: `last`'s slot
         pos = (slot - state.pad)[:, None]  # [B, 1]
@@ -273,7 +286,12 @@ def generation_fns(
     with the first new token; loop(params, state, stop) runs the remaining decode steps
     (donating state); step(params, state, stop) is one of them.
     """
-    return _compiled(*inference_configs(cfg, ffn), sampling, twell_prefill_min_tokens(ffn))
+    return _compiled(
+        *inference_configs(cfg, ffn),
+        sampling,
+        twell_prefill_min_tokens(ffn),
+        decode_op_max_batch(ffn),
+    )
 
 
 @dataclasses.dataclass(frozen=True)

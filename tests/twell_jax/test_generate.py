@@ -126,11 +126,14 @@ def test_ffn_modes_pick_the_prefill_and_decode_paths():
     impls = lambda c, f: tuple(x.ffn_impl for x in G.inference_configs(c, f))
     assert impls(cfg, "auto") == impls(cfg, "dense") == ("dense", "dense")
     assert impls(cfg, "sparse") == impls(twell, "sparse") == ("twell", "decode")
-    # auto: the measured faster paths, TwELL prefill (from enough tokens), dense decode
+    # auto: the measured faster paths, TwELL prefill (from enough tokens), the decode op
+    # (in small batches)
     assert impls(twell, "auto") == impls(small_model(ffn_impl="decode"), "auto")
-    assert impls(twell, "auto") == ("twell", "dense")
+    assert impls(twell, "auto") == ("twell", "decode")
     assert G.twell_prefill_min_tokens("auto") == G.AUTO_TWELL_PREFILL_TOKENS > 0
     assert G.twell_prefill_min_tokens("sparse") == 0
+    assert G.decode_op_max_batch("auto") == G.AUTO_DECODE_OP_MAX_BATCH == 1
+    assert G.decode_op_max_batch("sparse") is None
     assert impls(small_model(ffn_impl="sparse"), "auto") == ("dense", "dense")
     # fp32 compute: no TwELL prefill; a non-gated model: no decode path
     assert impls(small_model(dtype="float32"), "sparse") == ("dense", "decode")
@@ -181,6 +184,25 @@ def test_sparse_prefill_runs_the_twell_kernels(monkeypatch):
     # Traced once per (unrolled) layer with the prefill's B * P tokens, never in a decode step.
     assert calls == [(2 * G.PROMPT_BUCKET, cfg.d_model)] * cfg.n_layers
     assert [len(row) for row in sparse] == [3, 3]
+
+
+def test_auto_decodes_through_the_op_only_in_small_batches(monkeypatch):
+    calls = []
+
+    def stand_in(x, w):
+        calls.append(x.shape)
+        return ffn.dense(x, w, "gated_relu")
+
+    monkeypatch.setattr(ffn, "decode", stand_in)
+    cfg = small_model(seq_len=28, ffn_impl="decode")  # a config no other test compiles
+    params = init_params(cfg)
+    G.generate(cfg, params, PROMPTS[:1], 3, ffn="auto")
+    assert calls == [(1, cfg.d_model)] * cfg.n_layers  # batch 1: traced once per layer
+    calls.clear()
+    G.generate(cfg, params, PROMPTS[:2], 3, ffn="auto")
+    assert calls == []
+    G.generate(cfg, params, PROMPTS[:2], 3, ffn="sparse")
+    assert calls == [(2, cfg.d_model)] * cfg.n_layers
 
 
 def test_auto_prefill_runs_twell_only_from_enough_tokens(monkeypatch):
