@@ -134,8 +134,8 @@ def compact_rows(
     Returns:
         (EllRows with true counts and per-column ELL counts, fired bool [N],
         all_finite bool scalar: no gate value is NaN or +-Inf). Slots at or past a
-        row's count hold zeros. Positives are counted among finite values; with a
-        non-finite gate the ELL part is not meaningful (callers run densely then).
+        row's count hold zeros. NaN and -Inf are not positive; with any non-finite
+        gate the ELL part is not meaningful (callers run densely then).
     """
     if impl == "xla":
         return compact_rows_ref(p, width)
