@@ -134,7 +134,7 @@ def _breakdown(
     )
     scale = jnp.asarray([L1_COEF / x.shape[0]], jnp.float32)
     sddmm_grad = jax.jit(functools.partial(row_kernels.sddmm_grad, **kw["sddmm_grad"]))
-    dr, du = sddmm_grad(g, wd, cnt, ell.cols, ell.vals, r, t, scale)
+    dr, du, t, _ = sddmm_grad(g, wd, cnt, ell.cols, ell.vals, r, scale)
     spmm_dx = jax.jit(
         lambda a, b, w1, w2, c, cols: row_kernels.spmm_rows(
             ((a, w1), (b, w2)), c, cols, **kw["spmm_dx"]
@@ -159,7 +159,7 @@ def _breakdown(
         "compact": (compact, (p,)),
         "sddmm_up": (sddmm_up, (x, wu, cnt, ell.cols, ell.vals)),
         "spmm_down": (spmm_down, (t, wd, cnt, ell.cols)),
-        "sddmm_grad": (sddmm_grad, (g, wd, cnt, ell.cols, ell.vals, r, t, scale)),
+        "sddmm_grad": (sddmm_grad, (g, wd, cnt, ell.cols, ell.vals, r, scale)),
         "spmm_dx": (spmm_dx, (dr, du, wu, wg, cnt, ell.cols)),
         "csc_index": (index, (cnt, ell.cols, ell.col_counts, dr, du, t)),
         "spmm_csc": (spmm_csc, (offsets, *entries, x, g)),

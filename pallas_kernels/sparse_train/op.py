@@ -8,8 +8,9 @@ forward   U = x Wg^T (dense XLA GEMM, bf16 out) -> Pallas compaction of P = relu
           buckets (`lax.switch`); Pallas row kernels compute R = x Wu^T only at P's
           entries (SDDMM), T = P * R, sum |T| and out = T Wd (SpMM); the tail rows
           run the dense formula (XLA) on a [C, H] gather.
-backward  Pallas row kernels: dT = gO Wd^T at the entries + (dL/dl1 / M) sign(T),
-          dR = dT P, dU = dT R, then dx = dR Wu + dU Wg (one fp32 accumulator); an XLA
+backward  Pallas row kernels: T = P R again, dT = gO Wd^T at the entries + (dL/dl1 / M)
+          sign(T), dR = dT P, dU = dT R (this kernel also counts gO's NaN / Inf per
+          row), then dx = dR Wu + dU Wg (one fp32 accumulator); an XLA
           stable sort builds the neuron-sorted (CSC) index; a Pallas kernel per neuron
           computes dWu = dR^T x, dWg = dU^T x, dWd = T^T gO, except for hot neurons
           (`hot`: at least `hot_min_count` entries), whose rows come from dense GEMMs
@@ -149,7 +150,8 @@ def _forward(static: _Static, x, wg, wu, wd):
     # compaction's check of U covers both; a gate that overflows bf16 from finite
     # inputs also runs densely, as the reference's Inf would spread.
     with jax.named_scope("twell_finite_check"):
-        finite = gate_finite & jnp.isfinite(wu).all() & jnp.isfinite(wd).all()
+        # One fusion over both weights (two reductions cost a launch and a gap more).
+        finite = gate_finite & jnp.all(jnp.isfinite(wu) & jnp.isfinite(wd))
         nonfinite = ~finite
     bucket = jnp.where(nonfinite, len(caps), plan.bucket).astype(plan.bucket.dtype)
     fallback = bucket == len(caps)
@@ -229,12 +231,17 @@ def _op_bwd(static, res, cts):
         plan = hot.plan_hot(col_counts, cfg.hot_min_count, cfg.hot_capacities)
         index = fmt.build_csc(ell_count, cols, col_counts, exclude=plan.is_hot())
 
+    with jax.named_scope("twell_sddmm_grad"):
+        # Outside the cond: the kernel reads every row of gO whole, so it also counts
+        # gO's non-finite values, which decide the cond (no separate pass over [M, H]).
+        # After a forward fallback its ELL inputs are zeros or a stale pattern whose
+        # columns are still in range: the results are then unused.
+        kw = _kernel_kwargs(static, cfg.sddmm_grad)
+        dr, du, t, g_bad = row_kernels.sddmm_grad(
+            g_out, wd, ell_count, cols, p_vals, r, scale[None], **kw
+        )
+
     def sparse(_):
-        t = row_kernels.hidden_products(p_vals, r, ell_count)
-        ell = (ell_count, cols, p_vals, r, t, scale[None])
-        with jax.named_scope("twell_sddmm_grad"):
-            kw = _kernel_kwargs(static, cfg.sddmm_grad)
-            dr, du = row_kernels.sddmm_grad(g_out, wd, *ell, **kw)
         with jax.named_scope("twell_spmm_dx"):
             kw = _kernel_kwargs(static, cfg.spmm_dx)
             terms = ((dr, wu), (du, wg))
@@ -262,7 +269,7 @@ def _op_bwd(static, res, cts):
     # A non-finite upstream gradient (or l1 cotangent) also runs the dense backward: the
     # sparse one would carry it only along the pattern, where the dense formula's
     # 0 * NaN spreads it through every neuron's weight gradient.
-    cts_finite = jnp.isfinite(g_out).all() & jnp.isfinite(scale)
+    cts_finite = jnp.all(g_bad == 0) & jnp.isfinite(scale)
     dx, dwg, dwu, dwd = lax.cond((bucket == len(caps)) | ~cts_finite, dense, sparse, None)
     return jnp.zeros_like(l1_coef), dx, dwg, dwu, dwd
 

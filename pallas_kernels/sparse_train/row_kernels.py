@@ -8,8 +8,8 @@ shapes):
 - `sddmm_up`: R = x Wu^T sampled on the ELL pattern, T = P * R, per-row sum |T|.
 - `spmm_rows`: out[i] = sum_s v[i, s] W[cols[i, s]] for one or two (v, W) pairs
   (forward T Wd; backward dR Wu + dU Wg in one fp32 accumulator).
-- `sddmm_grad`: dT = gO Wd^T sampled on the pattern + l1_scale * sign(T);
-  dR = dT * P, dU = dT * R.
+- `sddmm_grad`: T = P * R, dT = gO Wd^T sampled on the pattern + l1_scale * sign(T);
+  dR = dT * P, dU = dT * R; and the non-finite count of each row of gO.
 
 Kernel shape rules (docs/design.md §10): every value is a power-of-two piece (row
 pieces of `block_h` columns, `group` ELL slots), refs are whole arrays indexed by hand
@@ -278,41 +278,48 @@ def spmm_rows(
 
 
 # --------------------------------------------------------------------------------------
-# Backward fused SDDMM: dT = gO Wd^T on the pattern + l1_scale sign(T); dR, dU.
+# Backward fused SDDMM: T = P R, dT = gO Wd^T on the pattern + l1_scale sign(T); dR, dU.
 # --------------------------------------------------------------------------------------
 
 
 def _sddmm_grad_kernel(
-    count_ref, cols_ref, p_ref, r_ref, t_ref, g_ref, w_ref, scale_ref, dr_ref, du_ref,
+    count_ref, cols_ref, p_ref, r_ref, g_ref, w_ref, scale_ref, dr_ref, du_ref, t_ref, bad_ref,
     *, h, width, group, block_h,
 ):  # fmt: skip
-    """One program per token row: dT at its slots, then dR = dT P and dU = dT R."""
+    """One program per token row: T = P R, dT at its slots, then dR = dT P and dU = dT R;
+    also counts the non-finite values of the row's gO (the row is loaded whole anyway,
+    so the op's finiteness check of gO costs no second read of [M, H])."""
     row = _triton.program_id(0, count_ref.shape[0])
     count = count_ref[row]
     scale = scale_ref[0]
     g = _load_row(g_ref, row, h, block_h)
+    bad = sum(jnp.sum(jnp.where(jnp.isfinite(piece), 0, 1)) for piece in g)
+    _triton.store(bad_ref.at[row + iota(1)], jnp.broadcast_to(bad, (1,)).astype(bad_ref.dtype))
 
     def body(slots, ok, cols, carry):
         dt = _gather_dot(g, w_ref, cols, ok, group=group, block_h=block_h)
-        t = _triton.load(t_ref.at[row, slots], mask=ok, other=0).astype(_F32)
-        dt = dt + scale * jnp.sign(t)
         p = _triton.load(p_ref.at[row, slots], mask=ok, other=0).astype(_F32)
         r = _triton.load(r_ref.at[row, slots], mask=ok, other=0).astype(_F32)
+        t = (p * r).astype(t_ref.dtype)  # sddmm_up's T bit for bit
+        dt = dt + scale * jnp.sign(t.astype(_F32))
+        _triton.store(t_ref.at[row, slots], t, mask=ok)
         _triton.store(dr_ref.at[row, slots], (dt * p).astype(dr_ref.dtype), mask=ok)
         _triton.store(du_ref.at[row, slots], (dt * r).astype(du_ref.dtype), mask=ok)
         return carry
 
     _for_each_group(count, group, cols_ref, row, body, jnp.zeros((), jnp.int32))
-    _zero_unused((dr_ref, du_ref), row, count, width)
+    _zero_unused((dr_ref, du_ref, t_ref), row, count, width)
 
 
-def _sddmm_grad_xla(g_out, w_down, ell_count, cols, p_vals, r_vals, t_vals, l1_scale):
+def _sddmm_grad_xla(g_out, w_down, ell_count, cols, p_vals, r_vals, l1_scale):
     valid = slot_mask(ell_count, cols.shape[1])
+    t_vals = hidden_products(p_vals, r_vals, ell_count)
     dt = jnp.einsum("mh,mwh->mw", g_out, w_down[cols], preferred_element_type=_F32)
     dt = dt + l1_scale[0] * jnp.sign(t_vals.astype(_F32))
     dr = jnp.where(valid, dt * p_vals.astype(_F32), 0).astype(g_out.dtype)
     du = jnp.where(valid, dt * r_vals.astype(_F32), 0).astype(g_out.dtype)
-    return dr, du
+    bad = jnp.sum(~jnp.isfinite(g_out), axis=1, dtype=jnp.int32)
+    return dr, du, t_vals, bad
 
 
 def sddmm_grad(
@@ -322,42 +329,42 @@ def sddmm_grad(
     cols: jax.Array,
     p_vals: jax.Array,
     r_vals: jax.Array,
-    t_vals: jax.Array,
     l1_scale: jax.Array,
     *,
     launch: RowLaunch,
     impl: str = "pallas",
     interpret: bool | None = None,
-) -> tuple[jax.Array, jax.Array]:
-    """Backward SDDMM fused with the L1 shift and both elementwise products.
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Backward SDDMM fused with T = P R, the L1 shift and both elementwise products.
 
     Args:
         g_out: [M, H] upstream gradient of the MLP output. w_down: [N, H].
-        ell_count, cols, p_vals, r_vals, t_vals: the forward's ELL arrays.
+        ell_count, cols, p_vals, r_vals: the forward's ELL arrays ([M], [M, W]).
         l1_scale: fp32 [1], d loss / d sum|T| (the l1 cotangent divided by M).
         launch: the kernel's launch (block_h must divide H).
         impl: "pallas" or "xla" (the jnp twin).
         interpret: Pallas interpret mode (None: interpret unless on a GPU).
 
     Returns:
-        dr_vals, du_vals [M, W] in g_out.dtype (0 in unused slots).
+        (dr_vals, du_vals, t_vals, bad_rows): [M, W], 0 in unused slots (dR and dU in
+        g_out.dtype; t_vals is `hidden_products`, sddmm_up's T bit for bit), and int32 [M],
+        the NaN / Inf values of each row of g_out (every row, also rows without slots).
     """
     if impl == "xla":
-        return _sddmm_grad_xla(g_out, w_down, ell_count, cols, p_vals, r_vals, t_vals, l1_scale)
+        return _sddmm_grad_xla(g_out, w_down, ell_count, cols, p_vals, r_vals, l1_scale)
     m, h = g_out.shape
     width = cols.shape[1]
     kernel = functools.partial(
         _sddmm_grad_kernel, h=h, width=width, group=launch.group, block_h=launch.block_h
     )
+    grads = jax.ShapeDtypeStruct((m, width), g_out.dtype)
+    t_vals = jax.ShapeDtypeStruct((m, width), r_vals.dtype)
     return row_call(
         kernel,
         name="twell_sddmm_grad",
         grid=(m,),
-        out_shape=(
-            jax.ShapeDtypeStruct((m, width), g_out.dtype),
-            jax.ShapeDtypeStruct((m, width), g_out.dtype),
-        ),
+        out_shape=(grads, grads, t_vals, jax.ShapeDtypeStruct((m,), jnp.int32)),
         launch=launch,
         h=h,
         interpret=interpret,
-    )(ell_count, cols, p_vals, r_vals, t_vals, g_out, w_down, l1_scale)
+    )(ell_count, cols, p_vals, r_vals, g_out, w_down, l1_scale)

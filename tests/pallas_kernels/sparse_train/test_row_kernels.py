@@ -76,14 +76,35 @@ def test_sddmm_grad_matches_dense(interpret):
     r, t, _ = row_kernels.sddmm_up(x, wu, ell_count, ell.cols, ell.vals, launch=ROW, impl="xla")
     g = proj.astype(jnp.bfloat16)
     scale = jnp.asarray([0.3], jnp.float32)
-    dr, du = row_kernels.sddmm_grad(
-        g, wd, ell_count, ell.cols, ell.vals, r, t, scale, launch=ROW, interpret=interpret
+    dr, du, t_got, bad = row_kernels.sddmm_grad(
+        g, wd, ell_count, ell.cols, ell.vals, r, scale, launch=ROW, interpret=interpret
     )
     sc = functools.partial(scatter, cols=ell.cols, ell_count=ell_count, n=N)
     dt = (g.astype(jnp.float32) @ wd.astype(jnp.float32).T) * sc(jnp.ones_like(t))
     dt = dt + 0.3 * jnp.sign(sc(t))
     assert rel_err(sc(dr), dt * sc(ell.vals)) < OUT_RTOL
     assert rel_err(sc(du), dt * sc(r)) < OUT_RTOL
+    # T is sddmm_up's bit for bit, unused slots (and the heavy row 1) zero.
+    np.testing.assert_array_equal(f32(t_got), f32(t))
+    np.testing.assert_array_equal(np.asarray(bad), np.zeros(M, np.int32))
+
+
+@pytest.mark.parametrize("interpret", MODES)
+def test_sddmm_grad_counts_non_finite_gradients_of_every_row(interpret):
+    """Rows without ELL slots (row 1 is heavy: a tail row, 0 slots) are counted too."""
+    x, wg, wu, wd, proj = make_inputs(4, M, H, N, 8, heavy=(1,))
+    _, ell, ell_count, _ = ell_of(x, wg, 16)
+    assert int(ell_count[1]) == 0
+    r, _, _ = row_kernels.sddmm_up(x, wu, ell_count, ell.cols, ell.vals, launch=ROW, impl="xla")
+    g = proj.astype(jnp.bfloat16)
+    g = g.at[1, 3].set(jnp.nan).at[1, H - 1].set(jnp.inf).at[M - 1, 0].set(-jnp.inf)
+    scale = jnp.asarray([0.0], jnp.float32)
+    *_, bad = row_kernels.sddmm_grad(
+        g, wd, ell_count, ell.cols, ell.vals, r, scale, launch=ROW, interpret=interpret
+    )
+    want = np.zeros(M, np.int32)
+    want[1], want[M - 1] = 2, 1
+    np.testing.assert_array_equal(np.asarray(bad), want)
 
 
 _D = SparseTrainConfig()
@@ -110,7 +131,7 @@ LOWERINGS = {
     ),
     "sddmm_grad": (
         lambda g, w, c, cols, v, s: row_kernels.sddmm_grad(
-            g, w, c, cols, v, v, v, s, launch=_D.sddmm_grad, interpret=False
+            g, w, c, cols, v, v, s, launch=_D.sddmm_grad, interpret=False
         ),
         [zeros((PM, PH)), zeros((PN, PH)), zeros((PM,), _I), zeros((PM, PW), _I),
          zeros((PM, PW)), zeros((1,), _F)],
