@@ -114,7 +114,13 @@ def _memory(fn, args) -> dict:
 def _breakdown(
     x, wg, wu, wd, g, config: SparseTrainConfig, samples: int, only: tuple[str, ...] = ()
 ) -> dict:
-    """Milliseconds of each stage of the sparse step (or of `only`), jitted one at a time."""
+    """Milliseconds of each stage of the sparse step (or of `only`), jitted one at a time.
+
+    A stage whose GPU work is shorter than one jitted call's dispatch reads as the
+    dispatch time, and a stage jitted alone may run its `lax.switch` from the host (too
+    few ops around it for a CUDA-graph conditional): small stages, such as `hot_grads`
+    without hot neurons, are upper bounds. A profiler trace of the whole step
+    (`bench_util.kernel_times`) is the finer measure."""
     config = resolve_config(x.shape[0], x.shape[1], wg.shape[0], config)
     kw = {k: dict(launch=getattr(config, k), impl=config.impl) for k in LAUNCH_FIELDS}
     width = config.ell_width
@@ -146,10 +152,11 @@ def _breakdown(
         index = fmt.build_csc(c, cols, col_counts, exclude=plan.is_hot())
         return index.offsets, index.order, *csc.csc_entries(index, width, dr, du, t)
 
-    def hot_grads(c, cols, col_counts, dr, du, t, x, g):
+    def hot_grads(c, cols, col_counts, dr, du, t, x, g, dws):
+        # dws: the CSC SpMM's outputs, passed in as in the step (zeros made here would
+        # time three [N, H] memsets the step does not run).
         plan = hot.plan_hot(col_counts, config.hot_min_count, config.hot_capacities)
-        zeros = tuple(jnp.zeros((col_counts.shape[0], x.shape[1]), x.dtype) for _ in range(3))
-        return hot.switch_hot_grads(plan, config.hot_capacities, c, cols, dr, du, t, x, g, zeros)
+        return hot.switch_hot_grads(plan, config.hot_capacities, c, cols, dr, du, t, x, g, dws)
 
     index = jax.jit(index)
     offsets, *entries = index(cnt, ell.cols, ell.col_counts, dr, du, t)
@@ -163,7 +170,10 @@ def _breakdown(
         "spmm_dx": (spmm_dx, (dr, du, wu, wg, cnt, ell.cols)),
         "csc_index": (index, (cnt, ell.cols, ell.col_counts, dr, du, t)),
         "spmm_csc": (spmm_csc, (offsets, *entries, x, g)),
-        "hot_grads": (jax.jit(hot_grads), (cnt, ell.cols, ell.col_counts, dr, du, t, x, g)),
+        "hot_grads": (
+            jax.jit(hot_grads),
+            (cnt, ell.cols, ell.col_counts, dr, du, t, x, g, spmm_csc(offsets, *entries, x, g)),
+        ),
     }
     return {k: _median_ms(f, a, samples) for k, (f, a) in stages.items() if not only or k in only}
 
