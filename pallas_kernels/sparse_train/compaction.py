@@ -24,7 +24,7 @@ from pallas_kernels import _triton
 from pallas_kernels import tile_select as ts
 from pallas_kernels._gather import fit_block
 from pallas_kernels.sparse_train._launch import NUM_STAGES, iota
-from pallas_kernels.sparse_train.format import EllRows
+from pallas_kernels.sparse_train.format import EllRows, col_dtype
 
 _I32 = jnp.int32
 # Added to a (row, tile) count per non-finite gate value: a power of two above any
@@ -105,7 +105,8 @@ def _compact_kernel(
         slot = base + k
         ok = (key != ts.NO_ENTRY) & (slot < width)
         slot = jnp.where(ok, slot, width)  # masked lanes: an out-of-range slot
-        _triton.store(cols_ref.at[rows, slot], t * block_cols + ts.key_lane(key), mask=ok)
+        col_id = (t * block_cols + ts.key_lane(key)).astype(cols_ref.dtype)
+        _triton.store(cols_ref.at[rows, slot], col_id, mask=ok)
         _triton.store(vals_ref.at[rows, slot], ts.key_value(key, p, lane), mask=ok)
 
     keys = ts.entry_keys(p, pos, lane)
@@ -121,7 +122,8 @@ def _compact_kernel(
         s = jnp.broadcast_to(iota(width)[None, :], (block_rows, width))
         rows_w = jnp.broadcast_to(rows[:, None], (block_rows, width))
         unused = (s >= total[:, None]) & row_ok[:, None]
-        _triton.store(cols_ref.at[rows_w, s], jnp.zeros((block_rows, width), _I32), mask=unused)
+        zero_cols = jnp.zeros((block_rows, width), cols_ref.dtype)
+        _triton.store(cols_ref.at[rows_w, s], zero_cols, mask=unused)
         zeros = jnp.zeros((block_rows, width), vals_ref.dtype)
         _triton.store(vals_ref.at[rows_w, s], zeros, mask=unused)
 
@@ -177,7 +179,7 @@ def compact_rows(
     cols, vals, info, totals = _triton.pallas_call(
         kernel,
         out_shape=(
-            jax.ShapeDtypeStruct((m, width), _I32),
+            jax.ShapeDtypeStruct((m, width), col_dtype(n)),
             jax.ShapeDtypeStruct((m, width), p.dtype),
             jax.ShapeDtypeStruct((row_blocks, n), info_dtype),
             jax.ShapeDtypeStruct((m,), _I32),
@@ -218,7 +220,7 @@ def compact_rows_ref(p: jax.Array, width: int) -> tuple[EllRows, jax.Array]:
     slot = jnp.cumsum(pos, axis=1, dtype=_I32) - 1
     slot = jnp.where(pos & (slot < width), slot, width)  # width: out of range, dropped
     rows = jnp.arange(m, dtype=_I32)[:, None]
-    col_ids = jnp.broadcast_to(jnp.arange(n, dtype=_I32)[None, :], (m, n))
-    cols = jnp.zeros((m, width), _I32).at[rows, slot].set(col_ids, mode="drop")
+    col_ids = jnp.broadcast_to(jnp.arange(n, dtype=col_dtype(n))[None, :], (m, n))
+    cols = jnp.zeros((m, width), col_dtype(n)).at[rows, slot].set(col_ids, mode="drop")
     vals = jnp.zeros((m, width), p.dtype).at[rows, slot].set(p, mode="drop")
     return EllRows(counts, cols, vals, col_counts), jnp.any(pos, axis=0), jnp.isfinite(p).all()

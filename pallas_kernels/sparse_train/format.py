@@ -32,7 +32,8 @@ class EllRows(NamedTuple):
 
     Attributes:
         counts: int32 [M], the true number of positives of each row (may exceed W).
-        cols: int32 [M, W], ascending column indices; 0 in unused slots.
+        cols: [M, W] ascending column indices (`col_dtype(N)`: int16 while N fits);
+            0 in unused slots.
         vals: [M, W] values (the gate's dtype); 0 in unused slots.
         col_counts: int32 [N], entries per column of the rows the ELL part serves
             (count <= W; tail rows excluded): the sizes of the CSC segments.
@@ -76,6 +77,12 @@ class Csc(NamedTuple):
     offsets: jax.Array
     slots: jax.Array
     order: jax.Array
+
+
+def col_dtype(n: int):
+    """dtype of the ELL column ids for N columns: int16 while N fits (half the bytes of
+    the [M, W] array every kernel and the remat residuals read), else int32."""
+    return jnp.int16 if n <= jnp.iinfo(jnp.int16).max else jnp.int32
 
 
 def slot_mask(ell_count: jax.Array, width: int) -> jax.Array:
@@ -134,7 +141,7 @@ def build_csc(
 
     Args:
         ell_count: int32 [M], ELL slots to use per row (`ell_counts`).
-        cols: int32 [M, W] ELL columns.
+        cols: [M, W] ELL columns (int16 or int32).
         col_counts: int32 [N], `EllRows.col_counts` (valid slots per column).
         exclude: optional bool [N], neurons left out of the index (empty segments; their
             slots sort past offsets[N] with the unused ones).

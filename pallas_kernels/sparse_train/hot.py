@@ -86,7 +86,7 @@ def hot_weight_grads(
     Args:
         k: static block width (a capacity of the plan); 0 returns dws unchanged.
         plan: from `plan_hot`; its hot neurons must number at most k (or be capped).
-        ell_count: int32 [M] ELL slots per row; cols: int32 [M, W].
+        ell_count: int32 [M] ELL slots per row; cols: [M, W] (int16 or int32).
         dr_vals, du_vals, t_vals: [M, W] dR, dU and T at the ELL slots.
         x, g_out: [M, H] tokens and upstream gradient.
         dws: (dWu, dWg, dWd) [N, H] from the CSC SpMM, whose hot rows are zero.

@@ -197,11 +197,6 @@ def _op(static, l1_coef, x, wg, wu, wd):
     return out, stats
 
 
-def _saved_cols(cols: jax.Array, n: int) -> jax.Array:
-    """The ELL columns as the residuals keep them: int16 while N fits (half the bytes)."""
-    return cols.astype(jnp.int16) if n <= jnp.iinfo(jnp.int16).max else cols
-
-
 def _op_fwd(static, l1_coef, x, wg, wu, wd):
     out, stats, res = _forward(static, x, wg, wu, wd)
     # Named so a remat policy can keep the small ELL residuals (~12 MB per layer at
@@ -209,7 +204,7 @@ def _op_fwd(static, l1_coef, x, wg, wu, wd):
     # kept compact: int16 columns, and no T = P * R, which the backward recomputes
     # bit for bit (docs/performance_notes.md, "Training-step memory").
     x, wg, wu, wd, ell_count, cols, p_vals, col_counts, r, _, rows, bucket = res
-    saved = (ell_count, _saved_cols(cols, wg.shape[0]), p_vals, col_counts, r, rows, bucket)
+    saved = (ell_count, cols, p_vals, col_counts, r, rows, bucket)
     saved = checkpoint_name(saved, RESIDUALS_NAME)
     return (out, stats), (l1_coef, x, wg, wu, wd, *saved)
 
@@ -217,7 +212,6 @@ def _op_fwd(static, l1_coef, x, wg, wu, wd):
 def _op_bwd(static, res, cts):
     cfg = static.config
     l1_coef, x, wg, wu, wd, ell_count, cols, p_vals, col_counts, r, rows, bucket = res
-    cols = cols.astype(jnp.int32)
     g_out, g_stats = cts
     m, caps = x.shape[0], cfg.tail_capacities
     g_out = g_out.astype(x.dtype)

@@ -60,7 +60,8 @@ def _for_each_group(count, group, cols_ref, row, body, init):
 
     def load_cols(c):
         slots, ok = _row_slots(count, c, group)
-        return _triton.load(cols_ref.at[row, slots], mask=ok, other=0)
+        # Widened at once: int16 ids times the row stride would overflow.
+        return _triton.load(cols_ref.at[row, slots], mask=ok, other=0).astype(jnp.int32)
 
     def step(c, carry):
         cols, inner = carry
@@ -160,7 +161,7 @@ def sddmm_up(
     Args:
         x: [M, H] bf16 tokens. w_up: [N, H] bf16.
         ell_count: int32 [M] slots to use per row (0 for tail rows).
-        cols, p_vals: int32 / bf16 [M, W] ELL columns and gate values.
+        cols, p_vals: [M, W] ELL columns (int16 or int32) and bf16 gate values.
         launch: the kernel's launch (block_h must divide H).
         impl: "pallas" or "xla" (the jnp twin).
         interpret: Pallas interpret mode (None: interpret unless on a GPU).
@@ -208,7 +209,7 @@ def _spmm_rows_kernel(count_ref, cols_ref, *refs, n_terms, group, block_h):
 
     def body(c, acc):
         slots, ok = _row_slots(count, c, group)
-        cols = _triton.load(cols_ref.at[row, slots], mask=ok, other=0)
+        cols = _triton.load(cols_ref.at[row, slots], mask=ok, other=0).astype(jnp.int32)
         cols_d = jnp.broadcast_to(cols[:, None], (group, block_h))
         for v_ref, w_ref in zip(val_refs, w_refs, strict=True):
             v = _triton.load(v_ref.at[row, slots], mask=ok, other=0).astype(_F32)
@@ -249,7 +250,7 @@ def spmm_rows(
         terms: ((v_vals [M, W], w [N, H]), ...): one pair (forward T Wd) or two
             (backward dR Wu + dU Wg, summed in one fp32 accumulator).
         ell_count: int32 [M] slots to use per row (0 rows get an all-zero output).
-        cols: int32 [M, W].
+        cols: [M, W] (int16 or int32).
         out_dtype: dtype of the result.
         launch: the kernel's launch (block_h must divide H).
         impl: "pallas" or "xla" (the jnp twin).

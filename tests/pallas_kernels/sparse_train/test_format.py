@@ -84,3 +84,8 @@ def test_heaviest_first_buckets():
     counts = jnp.asarray([0, 5, 1, 4, 300, 7, 0, 2, 3], jnp.int32)
     # 300 | 5, 4, 7 | 2, 3 | 1 | 0, 0
     np.testing.assert_array_equal(fmt.heaviest_first(counts), [4, 1, 3, 5, 7, 8, 2, 0, 6])
+
+
+def test_column_ids_are_int16_while_n_fits():
+    assert fmt.col_dtype(5632) == jnp.int16 and fmt.col_dtype(32767) == jnp.int16
+    assert fmt.col_dtype(32768) == jnp.int32
