@@ -1,10 +1,9 @@
 """Compaction (docs/design.md §6.1): the dense gate [M, N] -> ELL rows of width W with
 true counts, per-column ELL counts and the fired neurons.
 
-Two passes over the gate: XLA counts the positives of every (row, column tile); then
-one Pallas program per (row block, tile) sums its rows' counts of the earlier tiles
-(its write offsets) and of all tiles (the row totals) from that small [M, tiles] array
-and writes its entries at the offsets with `tile_select` (one reduction and one
+Two passes over the gate: XLA counts the positives of every (row, column tile) and
+takes their exclusive prefix along the row; then one Pallas program per (row block,
+tile) writes its entries at those offsets with `tile_select` (one reduction and one
 [block_rows] store per entry of the block's fullest row). A single pass that walks N
 per row block would serialise N / block_cols dependent steps per program.
 `compact_rows_ref` is the plain-jnp twin.
@@ -62,18 +61,16 @@ class CompactLaunch:
 
 
 def _compact_kernel(
-    p_ref, marked_ref, cols_ref, vals_ref, col_ref, totals_ref,
+    p_ref, offsets_ref, totals_ref, cols_ref, vals_ref, col_ref,
     *, m, width, block_rows, block_cols, tiles,
 ):  # fmt: skip
     """Program (t, i) packs rows i*BR.. within the column tile t*BC.. .
 
-    marked_ref [M, T] holds the count pass's positives per (row, tile) (plus
-    _NONFINITE per non-finite gate); the counts of the row's earlier tiles give the
-    offset of its first entry here, so every (row block, tile) is independent: entry
-    k of the tile goes to slot offset + k when that is below W. The last tile's
-    program zeroes the row's slots past its total; the first writes the totals to
-    totals_ref [M]. Per column it also writes (BR + 1) * (entries) + (entries of rows
-    with total <= W) to col_ref [blocks, N].
+    The row's entries of earlier tiles are counted beforehand (`offsets_ref`, [M, T];
+    `totals_ref` [M] the row totals), so every (row block, tile) is independent: entry
+    k of the tile goes to slot offset + k when that is below W; the last tile's
+    program zeroes the row's slots past its total. Per column it also writes
+    (BR + 1) * (entries) + (entries of rows with total <= W) to col_ref [blocks, N].
     """
     t, i = _triton.program_id(0, tiles), _triton.program_id(1, pl.cdiv(m, block_rows))
     rows = i * block_rows + iota(block_rows)
@@ -86,18 +83,9 @@ def _compact_kernel(
         p_ref.at[rows_b, col_b], mask=row_ok[:, None], other=0, eviction_policy=_STREAM
     )
     pos = p > 0
-    tile_lane = iota(_triton.next_pow2(tiles))
-    rows_t = jnp.broadcast_to(rows[:, None], (block_rows, tile_lane.shape[0]))
-    tiles_t = jnp.broadcast_to(tile_lane[None, :], rows_t.shape)
-    ok_t = row_ok[:, None] & (tiles_t < tiles)
-    counts = _triton.load(marked_ref.at[rows_t, tiles_t], mask=ok_t, other=0) & (_NONFINITE - 1)
-    base = jnp.sum(jnp.where(tiles_t < t, counts, 0), axis=1)
-    total = jnp.sum(counts, axis=1)
-
-    @pl.when(t == 0)
-    def _write_totals():
-        _triton.store(totals_ref.at[rows], total, mask=row_ok)
-
+    tile_ids = jnp.full((block_rows,), t, _I32)
+    base = _triton.load(offsets_ref.at[rows, tile_ids], mask=row_ok, other=0)
+    total = _triton.load(totals_ref.at[rows], mask=row_ok, other=0)
     count = jnp.sum(pos.astype(_I32), axis=1)
     room = jnp.maximum(width - base, 0)
 
@@ -165,6 +153,8 @@ def compact_rows(
     marked = jnp.where(jnp.isfinite(p), (p > 0).astype(_I32), _NONFINITE)
     marked = jnp.sum(marked.reshape(m, tiles, block_cols), axis=2, dtype=_I32)
     all_finite = jnp.all(marked < _NONFINITE)
+    tile_counts = marked & (_NONFINITE - 1)
+    ends = jnp.cumsum(tile_counts, axis=1, dtype=_I32)
     row_blocks = pl.cdiv(m, block_rows)
     kernel = functools.partial(
         _compact_kernel,
@@ -174,21 +164,21 @@ def compact_rows(
         block_cols=block_cols,
         tiles=tiles,
     )
+    totals = ends[:, -1]
     # (BR + 2) * BR must fit the per-(row block, column) record.
     info_dtype = jnp.int16 if (block_rows + 2) * block_rows < 2**15 else _I32
-    cols, vals, info, totals = _triton.pallas_call(
+    cols, vals, info = _triton.pallas_call(
         kernel,
         out_shape=(
             jax.ShapeDtypeStruct((m, width), col_dtype(n)),
             jax.ShapeDtypeStruct((m, width), p.dtype),
             jax.ShapeDtypeStruct((row_blocks, n), info_dtype),
-            jax.ShapeDtypeStruct((m,), _I32),
         ),
         grid=(tiles, row_blocks),
         compiler_params=_triton.compiler_params(num_warps=launch.num_warps, num_stages=NUM_STAGES),
         interpret=_triton.resolve_interpret(interpret),
         name="twell_compact_rows",
-    )(p, marked)
+    )(p, ends - tile_counts, totals)
     # info = (BR + 1) * entries + ELL entries. One variadic reduction over the row
     # blocks gives both per-column numbers (two reductions cost a launch and a pass
     # more); the int16 records are widened inside it (two reductions of one widened
