@@ -156,25 +156,29 @@ def _forward(static: _Static, x, wg, wu, wd):
     bucket = jnp.where(nonfinite, len(caps), plan.bucket).astype(plan.bucket.dtype)
     fallback = bucket == len(caps)
 
-    def sparse(_):
-        with jax.named_scope("twell_sddmm_up"):
-            kw = _kernel_kwargs(static, cfg.sddmm_up)
-            r, t, l1_rows = row_kernels.sddmm_up(x, wu, ell_count, ell.cols, ell.vals, **kw)
-        with jax.named_scope("twell_spmm_down"):
-            kw = _kernel_kwargs(static, cfg.spmm_down)
-            out = row_kernels.spmm_rows(((t, wd),), ell_count, ell.cols, out_dtype=x.dtype, **kw)
+    # The ELL kernels run outside the switch: one conditional (tail bucket or dense
+    # fallback) instead of a cond around a switch, each costing a CUDA-graph
+    # conditional node and a launch gap. After a fallback their inputs are a stale or
+    # zero pattern whose columns are still in range, and their results go unused.
+    with jax.named_scope("twell_sddmm_up"):
+        kw = _kernel_kwargs(static, cfg.sddmm_up)
+        r, t, l1_rows = row_kernels.sddmm_up(x, wu, ell_count, ell.cols, ell.vals, **kw)
+    with jax.named_scope("twell_spmm_down"):
+        kw = _kernel_kwargs(static, cfg.spmm_down)
+        out = row_kernels.spmm_rows(((t, wd),), ell_count, ell.cols, out_dtype=x.dtype, **kw)
+
+    def tail(cap, out):
         with jax.named_scope("twell_tail_fwd"):
-            branches = [functools.partial(_tail_fwd, cap) for cap in caps]
-            out, l1_t = lax.switch(plan.bucket, branches, out, x, plan.rows, wg, wu, wd)
-        return out, jnp.sum(l1_rows) + l1_t, r, t
+            out, l1_t = _tail_fwd(cap, out, x, plan.rows, wg, wu, wd)
+        return out, jnp.sum(l1_rows) + l1_t
 
     def dense(_):
         with jax.named_scope("twell_dense_fallback_fwd"):
             out, l1_sum, _, _ = dense_rows.dense_forward(x, wg, wu, wd, cfg.fallback_block_rows)
-        zeros = jnp.zeros_like(ell.vals)
-        return out, l1_sum, zeros, zeros
+        return out, l1_sum
 
-    out, l1_sum, r, t = lax.cond(fallback, dense, sparse, None)
+    branches = [functools.partial(tail, cap) for cap in caps] + [dense]
+    out, l1_sum = lax.switch(bucket, branches, out)
     cap_used = jnp.asarray((*caps, -1), jnp.int32)[bucket]
     stats = {
         "l0": jnp.sum(ell.counts).astype(_F32) / m,
