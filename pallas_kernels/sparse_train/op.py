@@ -223,7 +223,7 @@ def _op_bwd(static, res, cts):
     scale = (g_stats["l1"].astype(_F32) + l1_coef) / m
 
     with jax.named_scope("twell_csc_index"):
-        # Outside the cond: the sort depends only on the forward's pattern, and a cond
+        # Outside the switch: the sort depends only on the forward's pattern, and a switch
         # whose branches hold only kernels, GEMMs and fusions runs as a CUDA-graph
         # conditional (a device-side predicate) instead of a host round trip.
         plan = hot.plan_hot(col_counts, cfg.hot_min_count, cfg.hot_capacities)
@@ -239,36 +239,41 @@ def _op_bwd(static, res, cts):
             g_out, wd, ell_count, cols, p_vals, r, scale[None], **kw
         )
 
-    def sparse(_):
-        with jax.named_scope("twell_spmm_dx"):
-            kw = _kernel_kwargs(static, cfg.spmm_dx)
-            terms = ((dr, wu), (du, wg))
-            dx = row_kernels.spmm_rows(terms, ell_count, cols, out_dtype=x.dtype, **kw)
-        with jax.named_scope("twell_csc_entries"):
-            entries = csc.csc_entries(index, cfg.ell_width, dr, du, t)
-        with jax.named_scope("twell_spmm_csc"):
-            kw = _kernel_kwargs(static, cfg.spmm_csc)
-            dwu, dwg, dwd = csc.spmm_csc(index.offsets, index.order, *entries, x, g_out, **kw)
-        with jax.named_scope("twell_hot_grads"):
-            dwu, dwg, dwd = hot.switch_hot_grads(
-                plan, cfg.hot_capacities, ell_count, cols, dr, du, t, x, g_out, (dwu, dwg, dwd)
-            )
-        with jax.named_scope("twell_tail_bwd"):
-            branches = [functools.partial(_tail_bwd, cap) for cap in caps]
-            dx, (dwg, dwu, dwd) = lax.switch(
-                bucket, branches, dx, x, g_out, rows, wg, wu, wd, scale, (dwg, dwu, dwd)
-            )
-        return dx, dwg, dwu, dwd
+    # As in the forward, the ELL kernels run before one switch over the tail buckets
+    # and the dense backward (nested conditionals cost more than their kernels); after
+    # a fallback their results go unused.
+    with jax.named_scope("twell_spmm_dx"):
+        kw = _kernel_kwargs(static, cfg.spmm_dx)
+        terms = ((dr, wu), (du, wg))
+        dx = row_kernels.spmm_rows(terms, ell_count, cols, out_dtype=x.dtype, **kw)
+    with jax.named_scope("twell_csc_entries"):
+        entries = csc.csc_entries(index, cfg.ell_width, dr, du, t)
+    with jax.named_scope("twell_spmm_csc"):
+        kw = _kernel_kwargs(static, cfg.spmm_csc)
+        dwu, dwg, dwd = csc.spmm_csc(index.offsets, index.order, *entries, x, g_out, **kw)
+    with jax.named_scope("twell_hot_grads"):
+        dwu, dwg, dwd = hot.switch_hot_grads(
+            plan, cfg.hot_capacities, ell_count, cols, dr, du, t, x, g_out, (dwu, dwg, dwd)
+        )
 
-    def dense(_):
+    def tail(cap, dx, dws):
+        with jax.named_scope("twell_tail_bwd"):
+            return _tail_bwd(cap, dx, x, g_out, rows, wg, wu, wd, scale, dws)
+
+    def dense(dx, dws):
         with jax.named_scope("twell_dense_fallback_bwd"):
-            return dense_rows.dense_backward(x, g_out, wg, wu, wd, scale, cfg.fallback_block_rows)
+            dx, dwg, dwu, dwd = dense_rows.dense_backward(
+                x, g_out, wg, wu, wd, scale, cfg.fallback_block_rows
+            )
+        return dx, (dwg, dwu, dwd)
 
     # A non-finite upstream gradient (or l1 cotangent) also runs the dense backward: the
     # sparse one would carry it only along the pattern, where the dense formula's
     # 0 * NaN spreads it through every neuron's weight gradient.
     cts_finite = jnp.all(g_bad == 0) & jnp.isfinite(scale)
-    dx, dwg, dwu, dwd = lax.cond((bucket == len(caps)) | ~cts_finite, dense, sparse, None)
+    branch = jnp.where(cts_finite, bucket, len(caps))
+    branches = [functools.partial(tail, cap) for cap in caps] + [dense]
+    dx, (dwg, dwu, dwd) = lax.switch(branch, branches, dx, (dwg, dwu, dwd))
     return jnp.zeros_like(l1_coef), dx, dwg, dwu, dwd
 
 
