@@ -42,8 +42,7 @@ import numpy as np
 from flax import nnx
 
 from experiments import bench_util as bu
-from experiments import pretrain_run
-from twell_jax import corpus, input_pipeline, sharding, sparsity, train
+from twell_jax import corpus, sharding, sparsity, train
 from twell_jax.config import OptimConfig, SparsityConfig, TrainConfig, model_preset
 from twell_jax.overrides import with_overrides
 from twell_jax.synthetic import synthetic_sparse_params
@@ -289,6 +288,11 @@ def run_trained(
       FileNotFoundError: `workdir` has no checkpoint, or `data_dir` is not a corpus.
       ValueError: the corpus's token ids do not fit the model's vocabulary.
     """
+    # grain (through the input pipeline and the trainer) only for this mode: synthetic
+    # runs need neither.
+    from experiments import pretrain_run
+    from twell_jax import input_pipeline
+
     run_cfg, params, step = pretrain_run.load_params(workdir)
     tok = corpus.load_meta(data_dir)["tokenizer"]
     if tok["vocab_size"] > run_cfg.model.vocab_size:

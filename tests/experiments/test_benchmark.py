@@ -99,7 +99,11 @@ def test_results_table_names_a_file_that_is_not_a_benchmark_output(tmp_path):
         results_table.main([str(record)])
 
 
-def test_kernel_and_train_benchmarks_import_without_grain():
-    """BUILD.md: --mode=kernel/train need only jax and numpy (no data pipeline)."""
-    code = "import sys; sys.modules['grain'] = None; import experiments.benchmark"
+def test_synthetic_benchmarks_import_without_grain():
+    """BUILD.md: --mode=kernel/train and the synthetic --mode=train_model need no data
+    pipeline (grain only for a run's own batches)."""
+    code = (
+        "import sys; sys.modules['grain'] = None; import experiments.benchmark; "
+        "import experiments.benchmark_train_model"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, timeout=300)
