@@ -230,8 +230,9 @@ def _op_bwd(static, res, cts):
         index = fmt.build_csc(ell_count, cols, col_counts, exclude=plan.is_hot())
 
     with jax.named_scope("twell_sddmm_grad"):
-        # Outside the cond: the kernel reads every row of gO whole, so it also counts
-        # gO's non-finite values, which decide the cond (no separate pass over [M, H]).
+        # Before the switch: the kernel reads every row of gO whole, so it also counts
+        # gO's non-finite values, which pick the dense branch (no separate pass over
+        # [M, H]).
         # After a forward fallback its ELL inputs are zeros or a stale pattern whose
         # columns are still in range: the results are then unused.
         kw = _kernel_kwargs(static, cfg.sddmm_grad)
