@@ -122,6 +122,12 @@ flags.DEFINE_bool(
 flags.DEFINE_list("generate_batch", ["1", "8", "64"], "Prompts per batch of --mode=generate.")
 flags.DEFINE_integer("generate_prompt", 512, "Prompt tokens of --mode=generate.")
 flags.DEFINE_integer("generate_new", 256, "New tokens per prompt of --mode=generate.")
+flags.DEFINE_list(
+    "generate_attention",
+    ["auto"],
+    "Decode-step attention impls of --mode=generate (pallas_kernels.decode_attention: auto, "
+    "pallas, xla); the first gives the main figures, the others run in the same rotation.",
+)
 flags.DEFINE_multi_string(
     "decode_config",
     [""],
@@ -365,6 +371,7 @@ def main(argv):
             new_tokens=FLAGS.generate_new,
             reps=FLAGS.reps,
             kernel_trace=FLAGS.decode_kernel_trace,
+            attentions=FLAGS.generate_attention,
         )
     elif FLAGS.mode == "train_tune":
         result["tune"] = benchmark_train.tune(M=FLAGS.train_tokens, H=h, N=n)

@@ -11,6 +11,11 @@ the TwELL kernels, decode steps through `pallas_kernels.sparse_decode_mlp`). Eac
 times the prefill and the decode loop of both, alternating (docs/design.md §8);
 medians over rounds. Decode tokens/s counts the B x (new_tokens - 1) tokens of the
 loop (the first new token comes out of the prefill).
+
+`attentions` lists the decode steps' attention impls (`pallas_kernels.decode_attention`)
+to run: the first one gives the main keys; each other one runs both FFNs in the same
+rotation, under keys named after it (`dense_xla_attention_decode_ms`, ...), with its
+own dense / sparse ratio and each FFN's time over the first impl's.
 """
 
 from __future__ import annotations
@@ -49,44 +54,67 @@ def _step_profile(prefill, loop, params, prefill_args, stop, steps: int) -> dict
     }
 
 
+def _path_name(ffn: str, attention: str, attentions: Sequence[str]) -> str:
+    return ffn if attention == attentions[0] else f"{ffn}_{attention}_attention"
+
+
 def case(
-    cfg, params, batch: int, prompt_len: int, new_tokens: int, reps: int, kernel_trace: bool = False
+    cfg,
+    params,
+    batch: int,
+    prompt_len: int,
+    new_tokens: int,
+    reps: int,
+    kernel_trace: bool = False,
+    attentions: Sequence[str] = ("auto",),
 ) -> dict:
-    """One batch size: prefill and decode ms, decode tokens/s and ratios of both FFNs;
-    with kernel_trace also each FFN's decode step as the GPU ran it (`_step_profile`)."""
+    """One batch size: prefill and decode ms, decode tokens/s and ratios of both FFNs
+    (under each of `attentions`); with kernel_trace also each FFN's decode step as the
+    GPU ran it with the first attention (`_step_profile`)."""
     rng = np.random.default_rng(batch)
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, prompt_len)), jnp.int32)
     pad = jnp.zeros((batch,), jnp.int32)
     stop = jnp.zeros((0,), jnp.int32)
     key = jax.random.key(0)
-    fns = {ffn: generate.generation_fns(cfg, ffn) for ffn in FFNS}
+    fns = {
+        _path_name(ffn, att, attentions): generate.generation_fns(cfg, ffn, attention=att)
+        for att in attentions
+        for ffn in FFNS
+    }
     params = generate.serving_params(params, cfg)
-    times = {ffn: {"prefill": [], "decode": []} for ffn in FFNS}
+    times = {path: {"prefill": [], "decode": []} for path in fns}
     generated = {}
     for rnd in range(reps + 1):  # round 0 compiles and warms up
-        for ffn, (prefill, _, loop) in fns.items():
+        for path, (prefill, _, loop) in fns.items():
             state, t_prefill = _timed(prefill, params, tokens, pad, new_tokens, key, stop)
             state, t_decode = _timed(loop, params, state, stop)
             if rnd:
-                times[ffn]["prefill"].append(t_prefill)
-                times[ffn]["decode"].append(t_decode)
-            generated[ffn] = np.asarray(state.tokens)
+                times[path]["prefill"].append(t_prefill)
+                times[path]["decode"].append(t_decode)
+            generated[path] = np.asarray(state.tokens)
     decoded = batch * (new_tokens - 1)
     rec = {"batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens, "reps": reps}
-    for ffn in FFNS:
+    rec["attentions"] = list(attentions)
+    for path in fns:
         for part in ("prefill", "decode"):
-            rec[f"{ffn}_{part}_ms"] = float(np.median(times[ffn][part]))
-        rec[f"{ffn}_decode_tokens_per_s"] = decoded / (rec[f"{ffn}_decode_ms"] * 1e-3)
-    ratio = lambda part: float(
-        np.median(np.asarray(times["dense"][part]) / np.asarray(times["sparse"][part]))
+            rec[f"{path}_{part}_ms"] = float(np.median(times[path][part]))
+        rec[f"{path}_decode_tokens_per_s"] = decoded / (rec[f"{path}_decode_ms"] * 1e-3)
+    ratio = lambda a, b, part="decode": float(
+        np.median(np.asarray(times[a][part]) / np.asarray(times[b][part]))
     )
-    rec["decode_speedup"] = ratio("decode")
-    rec["prefill_speedup"] = ratio("prefill")
+    rec["decode_speedup"] = ratio("dense", "sparse")
+    rec["prefill_speedup"] = ratio("dense", "sparse", "prefill")
+    for att in attentions[1:]:
+        dense, sparse = (_path_name(ffn, att, attentions) for ffn in FFNS)
+        rec[f"decode_speedup_{att}_attention"] = ratio(dense, sparse)
+        for ffn, path in (("dense", dense), ("sparse", sparse)):
+            rec[f"{ffn}_decode_{att}_attention_over_{attentions[0]}"] = ratio(path, ffn)
     same = generated["dense"] == generated["sparse"]
     rec["same_tokens_fraction"] = float(same.mean())
     rec["rows_identical"] = int(same.all(axis=1).sum())
     if kernel_trace:
-        for ffn, (prefill, _, loop) in fns.items():
+        for ffn in FFNS:
+            prefill, _, loop = fns[ffn]
             prefill_args = (tokens, pad, new_tokens, key, stop)
             rec[f"{ffn}_step_profile"] = _step_profile(
                 prefill, loop, params, prefill_args, stop, new_tokens - 1
@@ -103,6 +131,7 @@ def run(
     new_tokens: int = 256,
     reps: int = 5,
     kernel_trace: bool = False,
+    attentions: Sequence[str] = ("auto",),
 ) -> list[dict]:
     """One `case` record per preset and batch size (JSON-able), printed as it completes."""
     records = []
@@ -111,7 +140,7 @@ def run(
         cfg = model_preset(preset)
         head = {"preset": preset, "target_nnz": nnz, "calibration_l0_mean": float(calib_l0.mean())}
         for batch in batches:
-            rec = case(cfg, params, batch, prompt_len, new_tokens, reps, kernel_trace)
+            rec = case(cfg, params, batch, prompt_len, new_tokens, reps, kernel_trace, attentions)
             records.append({**head, **rec})
             print(records[-1], flush=True)
         del params

@@ -11,10 +11,12 @@ row carries its own RoPE positions (0 at its first real token) and an attention 
 that hides its padding, so a row generates the same tokens alone or in any batch
 (up to float rounding). One jitted prefill runs the prompts through the model, writing
 cache slots 0..P-1, and samples the first token; each jitted decode step feeds the
-last token at slot P + t. The cache is [L, B, P + max_new_tokens, n_kv_heads,
-head_dim] in the compute dtype, updated in place (the step donates its state). The
-layers run unrolled over per-layer weight buffers in the compute dtype, with the
-attention projections re-laid for one-token products (`twell_jax.serving`).
+last token at slot P + t. The cache is one [B, P + max_new_tokens, n_kv_heads,
+head_dim] buffer per layer in the compute dtype, updated in place (the step donates
+its state). The layers run unrolled over per-layer weight buffers in the compute
+dtype, with the attention projections re-laid for one-token products
+(`twell_jax.serving`); a decode step's attention block is one kernel per layer on a
+GPU (`pallas_kernels.decode_attention`; `attention="xla"`: XLA's ops, as the prefill).
 
 Without a streaming callback the decode steps run in one `lax.while_loop` that stops
 when every row has produced a stop token; with one, a Python loop calls the jitted
@@ -47,6 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.decode_attention import IMPLS as ATTENTION_IMPLS
 from twell_jax import lm_loss
 from twell_jax.config import ModelConfig
 from twell_jax.model import check_token_ids, rope_angles
@@ -153,7 +156,8 @@ class DecodeState:
     """Everything a decode step reads and writes (a pytree; the step donates it).
 
     Attributes:
-      cache_k, cache_v: [L, B, T, nKV, D] compute dtype, T = P + max_new_tokens.
+      cache_k, cache_v: L-tuples of [B, T, nKV, D] compute dtype, T = P + max_new_tokens
+        (one buffer per layer, updated in place).
       pad: [B] int32, left padding of each row (its first real slot).
       last: [B] int32, the token the next step feeds.
       tokens: [B, max_new_tokens] int32, generated so far (`NO_TOKEN` after a stop).
@@ -163,27 +167,14 @@ class DecodeState:
       key: PRNG key of the sampler.
     """
 
-    cache_k: jax.Array
-    cache_v: jax.Array
+    cache_k: tuple[jax.Array, ...]
+    cache_v: tuple[jax.Array, ...]
     pad: jax.Array
     last: jax.Array
     tokens: jax.Array
     step: jax.Array
     done: jax.Array
     key: jax.Array
-
-
-def _attention_mask(query_slots: jax.Array, pad: jax.Array, t: int) -> jax.Array:
-    """Which cache slots each query sees: bool [B, 1, S, T].
-
-    Query slot q of row b sees slots pad[b]..q (its real tokens so far); a padding
-    query (q < pad[b]) sees only itself, so that its softmax stays finite (its output
-    is never read).
-    """
-    keys = jnp.arange(t)[None, None, :]
-    q = query_slots[None, :, None]
-    real = (keys >= pad[:, None, None]) | (keys == q)
-    return ((keys <= q) & real)[:, None]
 
 
 def _embed(model, tokens: jax.Array) -> jax.Array:
@@ -205,10 +196,12 @@ def _compiled(
     sampling: SamplingConfig,
     min_prefill_tokens: int = 0,
     max_decode_batch: int | None = None,
+    attention: str = "auto",
 ):
     """Jitted (prefill, step, loop) for one model / sampling setup (one compile per
     shape); a prefill of fewer than `min_prefill_tokens` tokens, and the decode steps of
-    a batch larger than `max_decode_batch` (None: no limit), run the dense FFN."""
+    a batch larger than `max_decode_batch` (None: no limit), run the dense FFN; the
+    decode steps' attention runs `decode_attention` with impl `attention`."""
     prefill_def, decode_def = model_graphdef(prefill_cfg), model_graphdef(decode_cfg)
     dense_def = model_graphdef(dataclasses.replace(prefill_cfg, ffn_impl="dense"))
     cfg = decode_cfg
@@ -218,11 +211,10 @@ def _compiled(
         model = merge_model(prefill_def if b * p >= min_prefill_tokens else dense_def, params)
         cols = jnp.arange(p)
         cos, sin = rope_angles(jnp.maximum(cols - pad[:, None], 0), cfg.head_dim, cfg.rope_theta)
-        mask = _attention_mask(cols, pad, p + max_new)
-        shape = (cfg.n_layers, b, p + max_new, cfg.kv_heads, cfg.head_dim)
-        cache = jnp.zeros(shape, cfg.compute_dtype)
+        shape = (b, p + max_new, cfg.kv_heads, cfg.head_dim)
+        cache = tuple(jnp.zeros(shape, cfg.compute_dtype) for _ in range(cfg.n_layers))
         x, cache_k, cache_v = run_layers(
-            model, params, _embed(model, tokens), cos, sin, cache, cache, 0, mask
+            model, params, _embed(model, tokens), cos, sin, cache, cache, 0, pad
         )
         key, sub = jax.random.split(key)
         first = sample(lm_loss.logits(x[:, -1], model.head_weight()), sub, sampling)
@@ -242,11 +234,10 @@ def _compiled(
         b = state.last.shape[0]  # static: the FFN path is picked at trace time
         fits = max_decode_batch is None or b <= max_decode_batch
         model = merge_model(decode_def if fits else dense_def, params)
-        t = state.cache_k.shape[2]
+        t = state.cache_k[0].shape[1]
         slot = t - state.tokens.shape[1] + state.step - 1  # P + step - 1: `last`'s slot
         pos = (slot - state.pad)[:, None]  # [B, 1]
         cos, sin = rope_angles(pos, cfg.head_dim, cfg.rope_theta)
-        mask = _attention_mask(slot[None], state.pad, t)
         x, cache_k, cache_v = run_layers(
             model,
             params,
@@ -256,7 +247,8 @@ def _compiled(
             state.cache_k,
             state.cache_v,
             slot,
-            mask,
+            state.pad,
+            attention=attention,
         )
         key, sub = jax.random.split(state.key)
         token = sample(lm_loss.logits(x[:, 0], model.head_weight()), sub, sampling)
@@ -277,7 +269,10 @@ def _compiled(
 
 
 def generation_fns(
-    cfg: ModelConfig, ffn: str = "auto", sampling: SamplingConfig = SamplingConfig()
+    cfg: ModelConfig,
+    ffn: str = "auto",
+    sampling: SamplingConfig = SamplingConfig(),
+    attention: str = "auto",
 ):
     """The jitted (prefill, step, loop) that `generate` runs, for timing them apart.
 
@@ -285,12 +280,18 @@ def generation_fns(
     prefill(params, tokens [B, P], pad [B], max_new (static), key, stop) -> DecodeState
     with the first new token; loop(params, state, stop) runs the remaining decode steps
     (donating state); step(params, state, stop) is one of them.
+
+    Raises:
+      ValueError: an unknown `ffn` or `attention`.
     """
+    if attention not in ATTENTION_IMPLS:
+        raise ValueError(f"attention={attention!r}: must be one of {ATTENTION_IMPLS}")
     return _compiled(
         *inference_configs(cfg, ffn),
         sampling,
         twell_prefill_min_tokens(ffn),
         decode_op_max_batch(ffn),
+        attention,
     )
 
 
@@ -352,6 +353,7 @@ def generate(
     stop_tokens: Sequence[int] = (),
     seed: int = 0,
     ffn: str = "auto",
+    attention: str = "auto",
     on_tokens: Callable[[np.ndarray], None] | None = None,
 ) -> Generation:
     """Generates up to `max_new_tokens` after each prompt (module docstring).
@@ -365,6 +367,8 @@ def generate(
       stop_tokens: a row stops after producing one of these ids.
       seed: PRNG seed of the sampler.
       ffn: "auto", "dense" or "sparse" (module docstring).
+      attention: the decode steps' attention, `pallas_kernels.decode_attention`'s impl
+        ("auto": its kernel on a GPU in bf16, XLA's ops otherwise).
       on_tokens: streaming: called with each new column of tokens, int32 numpy [B]
         (`NO_TOKEN` for rows already stopped), as soon as it is produced.
 
@@ -377,7 +381,7 @@ def generate(
     """
     prompts = [[int(t) for t in row] for row in prompts]
     _check_prompts(cfg, prompts, max_new_tokens)
-    prefill, step, loop = generation_fns(cfg, ffn, sampling)
+    prefill, step, loop = generation_fns(cfg, ffn, sampling, attention)
     params = serving_params(params, cfg)
     tokens, pad = _left_pad(prompts)
     stop = jnp.asarray(list(stop_tokens), jnp.int32)

@@ -2,7 +2,7 @@
 
     params = serving_params(params, cfg)      # once, before generating
     model = merge_model(graphdef, params)     # embed, final norm, head
-    x, cache_k, cache_v = run_layers(model, params, x, cos, sin, cache_k, cache_v, slot, mask)
+    x, cache_k, cache_v = run_layers(model, params, x, cos, sin, cache_k, cache_v, slot, pad)
 
 `serving_params` re-lays a model's parameters for token-by-token decoding:
 - the stacked [L, ...] block parameters become a tuple of L per-layer trees, so that a
@@ -20,7 +20,10 @@
   `nnx.merge` still builds their norms and FFN.
 
 The math is the model's (`twell_jax.model.Block`): the same products and rounding
-points, the q, k and v columns of one product instead of three.
+points, the q, k and v columns of one product instead of three. A one-token step runs
+its attention block (RoPE, cache update, softmax over the row's slots) through
+`pallas_kernels.decode_attention`: one kernel per layer on a GPU in bf16, the same XLA
+ops as the prompt's otherwise.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels.decode_attention import decode_attention
 from twell_jax.config import ModelConfig
 from twell_jax.model import apply_rope
 
@@ -72,39 +76,70 @@ def merge_model(graphdef: nnx.GraphDef, params: Params):
     return nnx.merge(graphdef, {**rest, "blocks": stub})
 
 
-def _qkv(att: Params, x: jax.Array, cos, sin, cfg: ModelConfig):
-    """x [B, S, H] normed -> q [B, S, nH, D], k and v [B, S, nKV, D], q and k rotated."""
+def attention_mask(query_slots: jax.Array, pad: jax.Array, t: int) -> jax.Array:
+    """Which cache slots each query sees: bool [B, 1, S, T].
+
+    Query slot q of row b sees slots pad[b]..q (its real tokens so far); a padding
+    query (q < pad[b]) sees only itself, so that its softmax stays finite (its output
+    is never read).
+    """
+    keys = jnp.arange(t)[None, None, :]
+    q = query_slots[None, :, None]
+    real = (keys >= pad[:, None, None]) | (keys == q)
+    return ((keys <= q) & real)[:, None]
+
+
+def _attention(att: Params, x, cos, sin, cache_k, cache_v, slot, pad, cfg: ModelConfig, impl):
+    """The attention block's core for normed x [B, S, H]: (o [B, S, nH D], cache_k,
+    cache_v), the new keys / values written to slots slot..slot+S-1."""
     b, s, _ = x.shape
     n, kv, d = cfg.n_heads, cfg.kv_heads, cfg.head_dim
     y = jnp.einsum("bsh,fh->bsf", x, att["wqkv"].astype(x.dtype))
+    if s == 1:
+        o, cache_k, cache_v = decode_attention(
+            y[:, 0], cos[:, 0], sin[:, 0], cache_k, cache_v, slot, pad, n_heads=n, impl=impl
+        )
+        return o[:, None], cache_k, cache_v
     q, k, v = jnp.split(y, [n * d, (n + kv) * d], axis=-1)
     q = apply_rope(q.reshape(b, s, n, d), cos, sin)
-    return q, apply_rope(k.reshape(b, s, kv, d), cos, sin), v.reshape(b, s, kv, d)
+    k = apply_rope(k.reshape(b, s, kv, d), cos, sin)
+    at = (0, slot, 0, 0)
+    v = v.reshape(b, s, kv, d)
+    cache_k = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype), at)
+    cache_v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype), at)
+    mask = attention_mask(slot + jnp.arange(s), pad, cache_k.shape[1])
+    # XLA attention: cuDNN's flash attention takes no arbitrary (left-padding) mask.
+    o = jax.nn.dot_product_attention(q, cache_k, cache_v, mask=mask, implementation="xla")
+    return o.reshape(b, s, n * d), cache_k, cache_v
 
 
-def run_layers(model, params: Params, x, cos, sin, cache_k, cache_v, slot, mask):
+def run_layers(model, params: Params, x, cos, sin, cache_k, cache_v, slot, pad, *,
+               attention: str = "auto"):  # fmt: skip
     """The blocks over x [B, S, H] with the KV cache: new keys / values go to slots
-    slot..slot+S-1, queries attend to the slots `mask` [B, 1, S, T] allows.
+    slot..slot+S-1; query slot q of row b attends to slots pad[b]..q.
 
     params: `serving_params`' tree; its layers run unrolled.
+    cos, sin: [B, S, D / 2] RoPE angles of the rows' positions.
+    cache_k, cache_v: L-tuples of [B, T, nKV, D] caches, one buffer per layer.
+    slot: int32 scalar; pad: int32 [B], each row's first real slot.
+    attention: `decode_attention`'s impl for one-token steps ("auto": the kernel on a
+      GPU in bf16).
     Returns (final-norm hidden states [B, S, H], cache_k, cache_v).
     """
     cfg = model.cfg
     graphdef = nnx.split(model.blocks)[0]
     off = jnp.zeros((), bool)
+    cache_k, cache_v = list(cache_k), list(cache_v)
     for i, (block_state, att) in enumerate(
         zip(params["blocks"], params[ATTENTION_KEY], strict=True)
     ):
         block = nnx.merge(graphdef, block_state)
-        q, k, v = _qkv(att, block.attn_norm(x), cos, sin, cfg)
-        at = (i, 0, slot, 0, 0)
-        cache_k = jax.lax.dynamic_update_slice(cache_k, k[None].astype(cache_k.dtype), at)
-        cache_v = jax.lax.dynamic_update_slice(cache_v, v[None].astype(cache_v.dtype), at)
-        # XLA attention: cuDNN's flash attention takes no arbitrary (left-padding) mask.
-        o = jax.nn.dot_product_attention(q, cache_k[i], cache_v[i], mask=mask, implementation="xla")
+        o, cache_k[i], cache_v[i] = _attention(
+            att, block.attn_norm(x), cos, sin, cache_k[i], cache_v[i], slot, pad, cfg, attention
+        )
         b, s, h = x.shape
         wo = att["wo"].astype(x.dtype)
-        x = x + jnp.einsum("bsf,hf->bsh", o.reshape(b, s, -1), wo)
+        x = x + jnp.einsum("bsf,hf->bsh", o, wo)
         out, _ = block.ffn(block.ffn_norm(x).reshape(b * s, h), off)
         x = x + out.reshape(x.shape)
-    return model.final_norm(x), cache_k, cache_v
+    return model.final_norm(x), tuple(cache_k), tuple(cache_v)

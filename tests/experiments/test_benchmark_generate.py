@@ -24,3 +24,16 @@ def test_generate_benchmark_records_both_ffns_and_their_step_profiles():
         }  # fmt: skip
         assert profile["busy_us_per_step"] <= profile["span_us_per_step"]
     assert 0 <= rec["same_tokens_fraction"] <= 1
+
+
+@pytest.mark.slow
+def test_generate_benchmark_times_a_second_attention_in_the_rotation():
+    (rec,) = benchmark_generate.run(
+        ["tiny"], [1], nnz=8.0, prompt_len=8, new_tokens=3, reps=1, attentions=("auto", "xla")
+    )
+    json.dumps(rec)
+    assert rec["attentions"] == ["auto", "xla"]
+    for ffn in ("dense", "sparse"):
+        assert rec[f"{ffn}_xla_attention_decode_ms"] > 0
+        assert rec[f"{ffn}_decode_xla_attention_over_auto"] > 0
+    assert rec["decode_speedup_xla_attention"] > 0

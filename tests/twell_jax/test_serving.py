@@ -54,9 +54,40 @@ def test_run_layers_is_the_model_forward_in_fp32():
     model = serving.merge_model(model_graphdef(cfg), sp)
     b, s = tokens.shape
     cos, sin = M.rope_tables(s, cfg.head_dim, cfg.rope_theta)
-    cache = jnp.zeros((cfg.n_layers, b, s, cfg.kv_heads, cfg.head_dim), jnp.float32)
-    mask = jnp.tril(jnp.ones((s, s), bool))[None, None]
+    cache = (jnp.zeros((b, s, cfg.kv_heads, cfg.head_dim), jnp.float32),) * cfg.n_layers
     x = jnp.take(sp["embed"], tokens, axis=0)
-    got, cache_k, _ = serving.run_layers(model, sp, x, cos, sin, cache, cache, 0, mask)
+    pad = jnp.zeros((b,), jnp.int32)
+    got, cache_k, _ = serving.run_layers(model, sp, x, cos, sin, cache, cache, 0, pad)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
-    assert float(jnp.abs(cache_k).sum()) > 0  # the keys were written
+    assert len(cache_k) == cfg.n_layers
+    assert all(float(jnp.abs(c).sum()) > 0 for c in cache_k)  # every layer's keys written
+
+
+def test_one_token_step_through_the_attention_kernel_matches_xla(gqa):
+    """A decode step (prompt of left-padded rows in the cache, one new token each) with
+    the attention kernel in the interpreter against XLA's attention: layer 0's caches
+    equal (the same rounded RoPE), the rest within bf16 rounding over the 2 layers."""
+    cfg, params = gqa
+    sp = serving.serving_params(params, cfg)
+    model = serving.merge_model(model_graphdef(cfg), sp)
+    b, p, t = 3, 8, 12
+    pad = jnp.asarray([0, 3, 7], jnp.int32)
+    tokens = jax.random.randint(jax.random.key(1), (b, p), 0, cfg.vocab_size)
+    pos = jnp.maximum(jnp.arange(p)[None] - pad[:, None], 0)
+    cos, sin = M.rope_angles(pos, cfg.head_dim, cfg.rope_theta)
+    cache = (jnp.zeros((b, t, cfg.kv_heads, cfg.head_dim), jnp.bfloat16),) * cfg.n_layers
+    embed = lambda ids: jnp.take(sp["embed"], ids, axis=0)
+    _, ck, cv = serving.run_layers(model, sp, embed(tokens), cos, sin, cache, cache, 0, pad)
+    slot = jnp.int32(p)
+    cos1, sin1 = M.rope_angles((slot - pad)[:, None], cfg.head_dim, cfg.rope_theta)
+    new = embed(tokens[:, -1:])
+    outs = {
+        impl: serving.run_layers(model, sp, new, cos1, sin1, ck, cv, slot, pad, attention=impl)
+        for impl in ("xla", "interpret")
+    }
+    (want, want_k, want_v), (got, got_k, got_v) = outs["xla"], outs["interpret"]
+    np.testing.assert_array_equal(np.asarray(got_k[0]), np.asarray(want_k[0]))
+    np.testing.assert_array_equal(np.asarray(got_v[0]), np.asarray(want_v[0]))
+    for a, c in zip((want, *want_k, *want_v), (got, *got_k, *got_v), strict=True):
+        a, c = np.asarray(a, np.float32), np.asarray(c, np.float32)
+        assert np.abs(c - a).max() <= 0.02 * np.abs(a).max()

@@ -1,0 +1,273 @@
+"""Attention for one new token per row over a KV cache, in one kernel (docs/design.md §11).
+
+    out, cache_k, cache_v = decode_attention(qkv, cos, sin, cache_k, cache_v, slot, pad,
+                                             n_heads=32)
+
+A decode step's attention block is small work spread over many small XLA kernels: the
+RoPE of q and k, two cache updates, the q . K^T reduction, the masked softmax's
+max / exp / sum and the P . V reduction, each a launch that costs more than its bytes
+(docs/performance_notes.md, "Generation"). Here one program per (row b, key/value
+head) does all of it:
+
+1. loads its query heads and the new key and value from the row's fused q / k / v
+   projection `qkv`, rotates q and k (RoPE, HF's rotate-half layout, rounded to the
+   cache dtype as `twell_jax.model.apply_rope` rounds) and writes the new key and
+   value to cache slot `slot` (the caches are aliased in place);
+2. streams the cached keys and values of slots pad[b] .. slot - 1 in blocks of
+   `block_t`, with an online softmax in fp32 (scores q . k / sqrt(D) on tensor cores,
+   bf16 inputs with fp32 sums, as XLA's attention computes them), the new token's
+   score and value taken from registers;
+3. writes o = softmax . V for its query heads, rounded once.
+
+Only the slots the row can see are read: a row at position p reads p keys and values,
+not the cache's whole length T.
+
+Backends (`impl`): "pallas" (the kernel; bf16), "interpret" (the same kernel in the
+Pallas interpreter, for CPU tests), "xla" (RoPE, `dynamic_update_slice` and
+`jax.nn.dot_product_attention` with a mask: what the model's attention computes, any
+dtype) and "auto" (pallas on a GPU for bf16 and supported shapes, xla otherwise). The
+kernel differs from "xla" within bf16 rounding: XLA rounds the normalised
+probabilities to bf16 before P . V, the kernel rounds the running, unnormalised ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels import _triton as tr
+
+IMPLS = ("auto", "pallas", "interpret", "xla")
+_F32 = jnp.float32
+# Tensor-core dots need at least 16 rows: a key / value head's query heads are padded
+# to this many.
+_MIN_ROWS = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeAttentionConfig:
+    """The kernel's launch.
+
+    block_t: cache slots per step of the key / value loop (a power of two, >= 16).
+    num_warps, num_stages: Triton launch parameters of the loop.
+    """
+
+    block_t: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def unsupported(self, head_dim: int, group: int, cache_elements: int) -> str | None:
+        """Why the kernel cannot run this shape, or None."""
+        if not tr.is_pow2(self.block_t) or self.block_t < 16:
+            return f"DecodeAttentionConfig.block_t={self.block_t} must be a power of two >= 16"
+        if not tr.is_pow2(head_dim) or head_dim < 16:
+            return f"head_dim={head_dim} must be a power of two >= 16 for the kernel"
+        if group > 128:
+            return f"{group} query heads per key / value head: the kernel takes at most 128"
+        if cache_elements >= 2**31:
+            return f"a layer's cache has {cache_elements} elements: the kernel indexes in int32"
+        return None
+
+
+def _check_inputs(qkv, cos, sin, cache_k, cache_v, slot, pad, n_heads: int) -> None:
+    if cache_k.ndim != 4 or cache_v.shape != cache_k.shape:
+        raise ValueError(
+            f"cache_k and cache_v must both be [B, T, n_kv_heads, head_dim], got "
+            f"{cache_k.shape} and {cache_v.shape}"
+        )
+    b, _, kv, d = cache_k.shape
+    if n_heads < 1 or n_heads % kv:
+        raise ValueError(f"n_heads={n_heads} must be a positive multiple of n_kv_heads={kv}")
+    if d % 2:
+        raise ValueError(f"head_dim={d} must be even for RoPE")
+    if qkv.shape != (b, (n_heads + 2 * kv) * d):
+        raise ValueError(
+            f"qkv must be [B, (n_heads + 2 n_kv_heads) head_dim] = [{b}, "
+            f"{(n_heads + 2 * kv) * d}], got {qkv.shape}"
+        )
+    for name, a in (("cos", cos), ("sin", sin)):
+        if a.shape != (b, d // 2):
+            raise ValueError(f"{name} must be [B, head_dim / 2] = [{b}, {d // 2}], got {a.shape}")
+    if cache_k.dtype != qkv.dtype or cache_v.dtype != qkv.dtype:
+        raise ValueError(
+            f"the caches must have qkv's dtype {qkv.dtype}, got {cache_k.dtype} / {cache_v.dtype}"
+        )
+    if jnp.shape(slot) != () or not jnp.issubdtype(jnp.result_type(slot), jnp.integer):
+        raise ValueError(f"slot must be an integer scalar, got shape {jnp.shape(slot)}")
+    if jnp.shape(pad) != (b,) or not jnp.issubdtype(jnp.result_type(pad), jnp.integer):
+        raise ValueError(f"pad must be an integer [B] = [{b}], got shape {jnp.shape(pad)}")
+
+
+def rotate_half(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """RoPE of x [..., heads, D] with cos / sin [..., D / 2] fp32, in fp32, rounded to
+    x's dtype (the model's `apply_rope` for one position per row)."""
+    x1, x2 = jnp.split(x.astype(_F32), 2, axis=-1)
+    c, s = cos[..., None, :], sin[..., None, :]
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+
+
+def _xla_attention(qkv, cos, sin, cache_k, cache_v, slot, pad, n_heads: int):
+    """The same step in XLA ops (module docstring, "xla")."""
+    b, t, kv, d = cache_k.shape
+    q, k, v = jnp.split(qkv, [n_heads * d, (n_heads + kv) * d], axis=-1)
+    q = rotate_half(q.reshape(b, 1, n_heads, d), cos[:, None], sin[:, None])
+    k = rotate_half(k.reshape(b, 1, kv, d), cos[:, None], sin[:, None])
+    at = (0, slot, 0, 0)
+    cache_k = lax.dynamic_update_slice(cache_k, k, at)
+    cache_v = lax.dynamic_update_slice(cache_v, v.reshape(b, 1, kv, d), at)
+    keys = jnp.arange(t)[None, :]
+    mask = ((keys >= pad[:, None]) & (keys <= slot))[:, None, None, :]  # [B, 1, 1, T]
+    o = jax.nn.dot_product_attention(q, cache_k, cache_v, mask=mask, implementation="xla")
+    return o.reshape(b, n_heads * d), cache_k, cache_v
+
+
+def _kernel(slot_ref, pad_ref, qkv_ref, cos_ref, sin_ref, ck_ref, cv_ref,
+            out_ref, ck_out, cv_out, *, b_size, t_len, kv, group, d, block_t):  # fmt: skip
+    """Program (b, h): key / value head h of row b. qkv_ref [B * F], cos_ref / sin_ref
+    [B * D / 2] and out_ref [B * nH * D] are flat; the caches are [B * T * nKV, D] (row
+    (b * T + t) * nKV + h), ck_out / cv_out the same buffers as ck_ref / cv_ref."""
+    b = tr.program_id(0, b_size)
+    h = tr.program_id(1, kv)
+    f = qkv_ref.shape[0] // b_size
+    n_heads = group * kv
+    slot = slot_ref[0]
+    pad = pad_ref[b]
+    half = d // 2
+    cols = tr.iota(d)
+    # RoPE as x * cos + swap(x) * (+-sin): swap exchanges the two halves of a head.
+    cos = tr.load(cos_ref.at[b * half + cols % half])
+    sin = tr.load(sin_ref.at[b * half + cols % half]) * jnp.where(cols < half, -1.0, 1.0)
+    swapped = (cols + half) % d
+
+    def rotated(first_col, rows_ok):
+        """The rotated heads whose columns start at first_col [R]: [R, D] cache dtype."""
+        at = b * f + first_col[:, None]
+        x = tr.load(qkv_ref.at[at + cols[None, :]], mask=rows_ok[:, None], other=0)
+        xs = tr.load(qkv_ref.at[at + swapped[None, :]], mask=rows_ok[:, None], other=0)
+        return (x.astype(_F32) * cos[None, :] + xs.astype(_F32) * sin[None, :]).astype(x.dtype)
+
+    gp = max(_MIN_ROWS, tr.next_pow2(group))
+    r = tr.iota(gp)
+    q_ok = r < group
+    q = rotated((h * group + r) * d, q_ok)  # [Gp, D]; padded rows are zero
+    one = tr.iota(1)
+    k_new = rotated((n_heads + h + one) * d, one == 0)  # [1, D]
+    v_new = tr.load(qkv_ref.at[b * f + (n_heads + kv + h + one[:, None]) * d + cols[None, :]])
+    new_row = ((b * t_len + slot) * kv + h + one)[:, None]
+    tr.store(ck_out.at[new_row, cols[None, :]], k_new)
+    tr.store(cv_out.at[new_row, cols[None, :]], v_new)
+
+    scale = 1.0 / math.sqrt(d)
+    # The online softmax starts from the new token: its score, weight 1 and value.
+    m = jnp.sum(q.astype(_F32) * k_new.astype(_F32), axis=1) * scale  # [Gp]
+    total = jnp.ones((gp,), _F32)
+    acc = jnp.broadcast_to(v_new.astype(_F32), (gp, d))
+
+    def step(j, carry):
+        m, total, acc = carry
+        t = j * block_t + tr.iota(block_t)
+        seen = (t >= pad) & (t < slot)
+        rows = ((b * t_len + t) * kv + h)[:, None]
+        keys = tr.load(ck_ref.at[rows, cols[None, :]], mask=seen[:, None], other=0)
+        s = lax.dot_general(q, keys, (((1,), (1,)), ((), ())), preferred_element_type=_F32)
+        s = jnp.where(seen[None, :], s * scale, -jnp.inf)  # [Gp, block_t]
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.exp(s - m_new[:, None])
+        vals = tr.load(cv_ref.at[rows, cols[None, :]], mask=seen[:, None], other=0)
+        pv = jnp.dot(p.astype(vals.dtype), vals, preferred_element_type=_F32)
+        return m_new, total * alpha + jnp.sum(p, axis=1), acc * alpha[:, None] + pv
+
+    first, last = pad // block_t, (slot + block_t - 1) // block_t
+    m, total, acc = lax.fori_loop(first, last, step, (m, total, acc))
+    out = (acc / total[:, None]).astype(out_ref.dtype)
+    at = b * n_heads * d + ((h * group + r) * d)[:, None] + cols[None, :]
+    tr.store(out_ref.at[at], out, mask=q_ok[:, None])
+
+
+def _kernel_attention(qkv, cos, sin, cache_k, cache_v, slot, pad, n_heads: int,
+                      config: DecodeAttentionConfig, interpret: bool):  # fmt: skip
+    b, t, kv, d = cache_k.shape
+    kernel = functools.partial(
+        _kernel, b_size=b, t_len=t, kv=kv, group=n_heads // kv, d=d, block_t=config.block_t
+    )
+    out, ck, cv = tr.pallas_call(
+        kernel,
+        out_shape=(
+            jax.ShapeDtypeStruct((b * n_heads * d,), qkv.dtype),
+            jax.ShapeDtypeStruct((b * t * kv, d), cache_k.dtype),
+            jax.ShapeDtypeStruct((b * t * kv, d), cache_v.dtype),
+        ),
+        grid=(b, kv),
+        input_output_aliases={5: 1, 6: 2},
+        compiler_params=tr.compiler_params(config.num_warps, config.num_stages),
+        interpret=interpret,
+        name="decode_attention",
+    )(
+        jnp.reshape(slot, (1,)).astype(jnp.int32),
+        pad.astype(jnp.int32),
+        qkv.reshape(-1),
+        cos.astype(_F32).reshape(-1),
+        sin.astype(_F32).reshape(-1),
+        cache_k.reshape(b * t * kv, d),
+        cache_v.reshape(b * t * kv, d),
+    )
+    return out.reshape(b, n_heads * d), ck.reshape(cache_k.shape), cv.reshape(cache_v.shape)
+
+
+def decode_attention(
+    qkv: jax.Array,
+    cos: jax.Array,
+    sin: jax.Array,
+    cache_k: jax.Array,
+    cache_v: jax.Array,
+    slot: jax.Array,
+    pad: jax.Array,
+    *,
+    n_heads: int,
+    impl: str = "auto",
+    config: DecodeAttentionConfig = DecodeAttentionConfig(),
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Causal attention of one new token per row, with RoPE and the cache update.
+
+    Args:
+      qkv: [B, (n_heads + 2 nKV) D], the new tokens' fused q / k / v projection (q's
+        heads, then k's, then v's; not rotated).
+      cos, sin: [B, D / 2] fp32 RoPE angles of each row's position.
+      cache_k, cache_v: [B, T, nKV, D] in qkv's dtype; the new key / value go to `slot`.
+      slot: int32 scalar, the cache slot of the new tokens (the same for every row).
+      pad: int32 [B], each row's first real slot: row b attends to slots pad[b]..slot.
+      n_heads: query heads (a multiple of nKV: grouped-query attention).
+      impl: "auto", "pallas", "interpret" or "xla" (module docstring).
+      config: the kernel's launch.
+
+    Returns:
+      (o [B, n_heads D] in qkv's dtype, cache_k, cache_v): the caches with slot written
+      (in place when donated).
+
+    Raises:
+      ValueError: shapes or dtypes that do not match, an unknown impl, or a kernel impl
+        asked for a dtype other than bf16 or a shape the kernel cannot run.
+    """
+    _check_inputs(qkv, cos, sin, cache_k, cache_v, slot, pad, n_heads)
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r}: must be one of {IMPLS}")
+    b, t, kv, d = cache_k.shape
+    reason = config.unsupported(d, n_heads // kv, b * t * kv * d)
+    if impl == "auto":
+        fits = tr.on_gpu() and qkv.dtype == jnp.bfloat16 and reason is None
+        impl = "pallas" if fits else "xla"
+    if impl == "xla":
+        return _xla_attention(qkv, cos, sin, cache_k, cache_v, slot, pad, n_heads)
+    if qkv.dtype != jnp.bfloat16:
+        raise ValueError(f"impl={impl!r} runs bf16 only, got qkv of dtype {qkv.dtype}")
+    if reason is not None:
+        raise ValueError(reason)
+    return _kernel_attention(
+        qkv, cos, sin, cache_k, cache_v, slot, pad, n_heads, config, impl == "interpret"
+    )
