@@ -265,3 +265,25 @@ def call_timeline(fn, *args) -> dict:
     """`gpu_timeline` of one call of `fn(*args)` after one warm-up."""
     jax.block_until_ready(fn(*args))
     return gpu_timeline(trace_events(lambda: fn(*args)))
+
+
+def per_layer_profile(fn, *args, layers: int) -> dict:
+    """One call of `fn(*args)` that runs `layers` layers, per layer: {"busy_us_per_layer",
+    "span_us_per_layer", "kernels": name -> (launches, mean µs)}."""
+    table = kernel_times(fn, *args, calls=5)
+    line = call_timeline(fn, *args)
+    return {
+        "busy_us_per_layer": line["busy_us"] / layers,
+        "span_us_per_layer": line["span_us"] / layers,
+        "kernels": {k: (v["per_call"] / layers, v["mean_us"]) for k, v in table.items()},
+    }
+
+
+def write_cases(doc: str, cases: dict, out: str) -> None:
+    """Writes {"measures": doc's third paragraph, "cases", "device", "jax"} as JSON to
+    `out` (nothing when empty): the record of a standalone benchmark module."""
+    res = {"measures": doc.split("\n\n")[2].replace("\n", " "), "cases": cases}
+    res.update(device=jax.devices()[0].device_kind, jax=jax.__version__)
+    if out:
+        with open(out, "w") as f:
+            json.dump(res, f, indent=1)

@@ -15,8 +15,6 @@ Why `twell_jax.serving` uses the layout it does (docs/performance_notes.md,
 
 from __future__ import annotations
 
-import json
-
 import jax
 import jax.numpy as jnp
 from absl import app, flags
@@ -57,24 +55,14 @@ def run() -> dict:
         x = jax.random.normal(jax.random.key(0), (m, H), jnp.bfloat16)
         for name, (ws, product) in _layouts().items():
             fn = jax.jit(lambda x, ws, f=product: [f(x, w) for w in ws])
-            table = bu.kernel_times(fn, x, ws, calls=5)
-            line = bu.call_timeline(fn, x, ws)
-            res[f"{name}_m{m}"] = {
-                "busy_us_per_layer": line["busy_us"] / LAYERS,
-                "span_us_per_layer": line["span_us"] / LAYERS,
-                "kernels": {k: (v["per_call"] / LAYERS, v["mean_us"]) for k, v in table.items()},
-            }
-            print(m, name, round(line["busy_us"] / LAYERS, 2), flush=True)
+            rec = res[f"{name}_m{m}"] = bu.per_layer_profile(fn, x, ws, layers=LAYERS)
+            print(m, name, round(rec["busy_us_per_layer"], 2), flush=True)
     return res
 
 
 def main(argv):
     del argv
-    res = {"measures": __doc__.split("\n\n")[2].replace("\n", " "), "cases": run()}
-    res.update(device=jax.devices()[0].device_kind, jax=jax.__version__)
-    if _OUT.value:
-        with open(_OUT.value, "w") as f:
-            json.dump(res, f, indent=1)
+    bu.write_cases(__doc__, run(), _OUT.value)
 
 
 if __name__ == "__main__":

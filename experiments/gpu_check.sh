@@ -80,10 +80,12 @@ for what in "${@:-all}"; do
           --pattern="$p" --decode_kernel_trace --out="$OUT/decode_ffn_${p}_h200.json" || status=1
       done
       python3 -m experiments.benchmark --mode=generate --model_presets=1.5b \
-        --generate_batch=1,8,64 --reps=3 --decode_kernel_trace \
+        --generate_batch=1,8,64 --reps=3 --decode_kernel_trace --generate_attention=auto,xla \
         --out="$OUT/generate_1.5b_h200.json" || status=1
       python3 -m experiments.benchmark_attention_layout \
-        --out="$OUT/attention_layout_decode_h200.json" || status=1 ;;
+        --out="$OUT/attention_layout_decode_h200.json" || status=1
+      python3 -m experiments.benchmark_decode_attention \
+        --out="$OUT/decode_attention_kernel_h200.json" || status=1 ;;
     train_memory)  # peak memory of the real 2B step, dense and sparse
       python3 -m experiments.benchmark_memory --preset=2b --batch=8 --seq=2048 \
         --ffn_impls=dense,sparse --model_nnz=29 --out="$OUT/train_step_memory_2b_h200.json" \

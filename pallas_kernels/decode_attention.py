@@ -55,16 +55,31 @@ class DecodeAttentionConfig:
 
     block_t: cache slots per step of the key / value loop (a power of two, >= 16).
     num_warps, num_stages: Triton launch parameters of the loop.
+    min_programs: the row's slots are split into up to `max_splits` (a power of two)
+      ranges, each its own program, until B x nKV x splits reaches this; the splits'
+      partial softmax sums are then combined by a second kernel. One row of 32 heads
+      is otherwise 32 programs on a 132-SM card, each looping over every slot.
     """
 
-    block_t: int = 64
+    block_t: int = 128
     num_warps: int = 4
     num_stages: int = 3
+    min_programs: int = 256
+    max_splits: int = 16
+
+    def splits(self, programs: int) -> int:
+        """Slot ranges per (row, key / value head) for B x nKV = `programs`."""
+        s = 1
+        while s < self.max_splits and programs * s < self.min_programs:
+            s *= 2
+        return s
 
     def unsupported(self, head_dim: int, group: int, cache_elements: int) -> str | None:
         """Why the kernel cannot run this shape, or None."""
         if not tr.is_pow2(self.block_t) or self.block_t < 16:
             return f"DecodeAttentionConfig.block_t={self.block_t} must be a power of two >= 16"
+        if not tr.is_pow2(self.max_splits):
+            return f"DecodeAttentionConfig.max_splits={self.max_splits} must be a power of two"
         if not tr.is_pow2(head_dim) or head_dim < 16:
             return f"head_dim={head_dim} must be a power of two >= 16 for the kernel"
         if group > 128:
@@ -126,13 +141,21 @@ def _xla_attention(qkv, cos, sin, cache_k, cache_v, slot, pad, n_heads: int):
     return o.reshape(b, n_heads * d), cache_k, cache_v
 
 
-def _kernel(slot_ref, pad_ref, qkv_ref, cos_ref, sin_ref, ck_ref, cv_ref,
-            out_ref, ck_out, cv_out, *, b_size, t_len, kv, group, d, block_t):  # fmt: skip
-    """Program (b, h): key / value head h of row b. qkv_ref [B * F], cos_ref / sin_ref
-    [B * D / 2] and out_ref [B * nH * D] are flat; the caches are [B * T * nKV, D] (row
-    (b * T + t) * nKV + h), ck_out / cv_out the same buffers as ck_ref / cv_ref."""
+# The running max of a split that sees no slot: finite, so that exp(m - max) is 0, not NaN.
+_EMPTY_MAX = -1e30
+
+
+def _kernel(slot_ref, pad_ref, qkv_ref, cos_ref, sin_ref, ck_ref, cv_ref, *outs,
+            b_size, t_len, kv, group, d, block_t, splits):  # fmt: skip
+    """Program (b, h, s): key / value head h of row b, slot range s of `splits`.
+    qkv_ref [B * F] and cos_ref / sin_ref [B * D / 2] are flat; the caches are
+    [B * T * nKV, D] (row (b * T + t) * nKV + h). outs: (o [B * nH * D], ck, cv) for one
+    split, else (m, total [B * nKV * S * G], acc [B * nKV * S * G * D] fp32, ck, cv), the
+    partial softmax of each split for `_combine_kernel`; ck / cv are the caches' buffers."""
+    *results, ck_out, cv_out = outs
     b = tr.program_id(0, b_size)
     h = tr.program_id(1, kv)
+    split = tr.program_id(2, splits)
     f = qkv_ref.shape[0] // b_size
     n_heads = group * kv
     slot = slot_ref[0]
@@ -159,14 +182,17 @@ def _kernel(slot_ref, pad_ref, qkv_ref, cos_ref, sin_ref, ck_ref, cv_ref,
     k_new = rotated((n_heads + h + one) * d, one == 0)  # [1, D]
     v_new = tr.load(qkv_ref.at[b * f + (n_heads + kv + h + one[:, None]) * d + cols[None, :]])
     new_row = ((b * t_len + slot) * kv + h + one)[:, None]
-    tr.store(ck_out.at[new_row, cols[None, :]], k_new)
-    tr.store(cv_out.at[new_row, cols[None, :]], v_new)
+    first_split = jnp.broadcast_to(split == 0, (1, d))
+    tr.store(ck_out.at[new_row, cols[None, :]], k_new, mask=first_split)
+    tr.store(cv_out.at[new_row, cols[None, :]], v_new, mask=first_split)
 
     scale = 1.0 / math.sqrt(d)
-    # The online softmax starts from the new token: its score, weight 1 and value.
+    # Split 0's online softmax starts from the new token (its score, weight 1 and
+    # value), the others' from nothing.
     m = jnp.sum(q.astype(_F32) * k_new.astype(_F32), axis=1) * scale  # [Gp]
-    total = jnp.ones((gp,), _F32)
-    acc = jnp.broadcast_to(v_new.astype(_F32), (gp, d))
+    m = jnp.where(split == 0, m, _EMPTY_MAX)
+    total = jnp.where(split == 0, jnp.ones((gp,), _F32), 0)
+    acc = jnp.where(split == 0, jnp.broadcast_to(v_new.astype(_F32), (gp, d)), 0)
 
     def step(j, carry):
         m, total, acc = carry
@@ -184,27 +210,68 @@ def _kernel(slot_ref, pad_ref, qkv_ref, cos_ref, sin_ref, ck_ref, cv_ref,
         return m_new, total * alpha + jnp.sum(p, axis=1), acc * alpha[:, None] + pv
 
     first, last = pad // block_t, (slot + block_t - 1) // block_t
-    m, total, acc = lax.fori_loop(first, last, step, (m, total, acc))
-    out = (acc / total[:, None]).astype(out_ref.dtype)
-    at = b * n_heads * d + ((h * group + r) * d)[:, None] + cols[None, :]
-    tr.store(out_ref.at[at], out, mask=q_ok[:, None])
+    per_split = (last - first + splits - 1) // splits
+    lo = first + split * per_split
+    m, total, acc = lax.fori_loop(lo, jnp.minimum(lo + per_split, last), step, (m, total, acc))
+    if splits == 1:
+        (out_ref,) = results
+        at = b * n_heads * d + ((h * group + r) * d)[:, None] + cols[None, :]
+        tr.store(out_ref.at[at], (acc / total[:, None]).astype(out_ref.dtype), mask=q_ok[:, None])
+        return
+    m_ref, total_ref, acc_ref = results
+    at = ((b * kv + h) * splits + split) * group + r  # [Gp]
+    tr.store(m_ref.at[at], m, mask=q_ok)
+    tr.store(total_ref.at[at], total, mask=q_ok)
+    tr.store(acc_ref.at[at[:, None] * d + cols[None, :]], acc, mask=q_ok[:, None])
+
+
+def _combine_kernel(m_ref, total_ref, acc_ref, out_ref, *, b_size, kv, group, d, splits):
+    """Program (b, h): o of key / value head h's query heads of row b from the splits'
+    partial softmax sums (`_kernel`'s outputs), rounded once to out_ref's dtype."""
+    b = tr.program_id(0, b_size)
+    h = tr.program_id(1, kv)
+    gp = tr.next_pow2(group)
+    r = tr.iota(gp)
+    ok = r < group
+    cols = tr.iota(d)
+    base = (b * kv + h) * splits * group + r  # split 0's entries of these heads
+    ms = [tr.load(m_ref.at[base + s * group], mask=ok, other=0) for s in range(splits)]
+    m = functools.reduce(jnp.maximum, ms)
+    total, acc = jnp.zeros((gp,), _F32), jnp.zeros((gp, d), _F32)
+    for s in range(splits):
+        w = jnp.exp(ms[s] - m)
+        at = (base + s * group)[:, None] * d + cols[None, :]
+        total = total + w * tr.load(total_ref.at[base + s * group], mask=ok, other=0)
+        acc = acc + w[:, None] * tr.load(acc_ref.at[at], mask=ok[:, None], other=0)
+    at = (b * kv * group + h * group + r)[:, None] * d + cols[None, :]
+    tr.store(out_ref.at[at], (acc / total[:, None]).astype(out_ref.dtype), mask=ok[:, None])
 
 
 def _kernel_attention(qkv, cos, sin, cache_k, cache_v, slot, pad, n_heads: int,
                       config: DecodeAttentionConfig, interpret: bool):  # fmt: skip
     b, t, kv, d = cache_k.shape
+    group, splits = n_heads // kv, config.splits(b * kv)
     kernel = functools.partial(
-        _kernel, b_size=b, t_len=t, kv=kv, group=n_heads // kv, d=d, block_t=config.block_t
-    )
-    out, ck, cv = tr.pallas_call(
+        _kernel, b_size=b, t_len=t, kv=kv, group=group, d=d, block_t=config.block_t,
+        splits=splits,
+    )  # fmt: skip
+    if splits == 1:
+        results = (jax.ShapeDtypeStruct((b * n_heads * d,), qkv.dtype),)
+    else:
+        entries = b * kv * splits * group
+        results = (jax.ShapeDtypeStruct((entries,), _F32),) * 2 + (
+            jax.ShapeDtypeStruct((entries * d,), _F32),
+        )
+    n = len(results)
+    *results, ck, cv = tr.pallas_call(
         kernel,
         out_shape=(
-            jax.ShapeDtypeStruct((b * n_heads * d,), qkv.dtype),
+            *results,
             jax.ShapeDtypeStruct((b * t * kv, d), cache_k.dtype),
             jax.ShapeDtypeStruct((b * t * kv, d), cache_v.dtype),
         ),
-        grid=(b, kv),
-        input_output_aliases={5: 1, 6: 2},
+        grid=(b, kv, splits),
+        input_output_aliases={5: n, 6: n + 1},
         compiler_params=tr.compiler_params(config.num_warps, config.num_stages),
         interpret=interpret,
         name="decode_attention",
@@ -217,6 +284,20 @@ def _kernel_attention(qkv, cos, sin, cache_k, cache_v, slot, pad, n_heads: int,
         cache_k.reshape(b * t * kv, d),
         cache_v.reshape(b * t * kv, d),
     )
+    if splits > 1:
+        results = [
+            tr.pallas_call(
+                functools.partial(
+                    _combine_kernel, b_size=b, kv=kv, group=group, d=d, splits=splits
+                ),
+                out_shape=jax.ShapeDtypeStruct((b * n_heads * d,), qkv.dtype),
+                grid=(b, kv),
+                compiler_params=tr.compiler_params(1, 1),
+                interpret=interpret,
+                name="decode_attention_combine",
+            )(*results)
+        ]
+    (out,) = results
     return out.reshape(b, n_heads * d), ck.reshape(cache_k.shape), cv.reshape(cache_v.shape)
 
 

@@ -18,11 +18,16 @@ import pytest
 from pallas_kernels.decode_attention import DecodeAttentionConfig, decode_attention
 from tests.lowering import count_triton_calls
 
-SMALL = DecodeAttentionConfig(block_t=16)
+# SPLIT splits each row's slots over up to 4 programs (its second kernel combines
+# them); WHOLE keeps one program per (row, key / value head).
+SPLIT = DecodeAttentionConfig(block_t=16, max_splits=4)
+WHOLE = DecodeAttentionConfig(block_t=16, max_splits=1)
 IMPLS = [
-    pytest.param("interpret", id="interpret"),
-    pytest.param("xla", id="xla"),
-    pytest.param("pallas", id="gpu", marks=pytest.mark.gpu),
+    pytest.param(("interpret", SPLIT), id="interpret_split"),
+    pytest.param(("interpret", WHOLE), id="interpret_whole"),
+    pytest.param(("xla", SPLIT), id="xla"),
+    pytest.param(("pallas", SPLIT), id="gpu_split", marks=pytest.mark.gpu),
+    pytest.param(("pallas", WHOLE), id="gpu_whole", marks=pytest.mark.gpu),
 ]
 
 
@@ -90,9 +95,10 @@ CASES = [
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("b, t, n_heads, kv, d, slot, pad", CASES)
 def test_matches_reference(impl, b, t, n_heads, kv, d, slot, pad):
+    impl, config = impl
     case = make_case(b * t + d, b, t, n_heads, kv, d)
     pad = jnp.asarray(pad, jnp.int32)
-    run = jax.jit(functools.partial(decode_attention, n_heads=n_heads, impl=impl, config=SMALL))
+    run = jax.jit(functools.partial(decode_attention, n_heads=n_heads, impl=impl, config=config))
     o, ck, cv = run(*case, jnp.int32(slot), pad)
     want_o, k_new, v_new = reference(*case, slot, np.asarray(pad), n_heads)
     bound = np.abs(np.asarray(case[4], np.float32)).max() / 128
@@ -109,9 +115,10 @@ def test_matches_reference(impl, b, t, n_heads, kv, d, slot, pad):
 def test_large_scores_stay_finite(impl):
     """Scores in the hundreds (q scaled by 40): the online softmax subtracts its running
     max, so nothing overflows and o still matches."""
+    impl, config = impl
     case = make_case(5, 2, 64, 4, 2, 32, q_scale=40.0)
     pad = jnp.asarray([0, 30], jnp.int32)
-    o, _, _ = decode_attention(*case, jnp.int32(60), pad, n_heads=4, impl=impl, config=SMALL)
+    o, _, _ = decode_attention(*case, jnp.int32(60), pad, n_heads=4, impl=impl, config=config)
     want_o, _, _ = reference(*case, 60, np.asarray(pad), 4)
     assert np.isfinite(np.asarray(o, np.float32)).all()
     bound = np.abs(np.asarray(case[4], np.float32)).max() / 128
@@ -131,7 +138,7 @@ def test_kernel_donated_in_a_loop_matches_xla():
             ck, cv, acc = carry
             x = qkv * (1 + i).astype(qkv.dtype)  # a different token per step
             o, ck, cv = decode_attention(x, cos, sin, ck, cv, 10 + i, pad, n_heads=n_heads,
-                                         impl=impl, config=SMALL)  # fmt: skip
+                                         impl=impl, config=SPLIT)  # fmt: skip
             return ck, cv, acc + o.astype(jnp.float32)
 
         return jax.lax.fori_loop(0, 4, body, (ck, cv, jnp.zeros((b, n_heads * d))))
@@ -183,6 +190,9 @@ def test_unsupported_requests_raise():
     with pytest.raises(ValueError, match="block_t"):
         decode_attention(*_args(), n_heads=4, impl="interpret",
                          config=DecodeAttentionConfig(block_t=24))  # fmt: skip
+    with pytest.raises(ValueError, match="max_splits"):
+        decode_attention(*_args(), n_heads=4, impl="interpret",
+                         config=DecodeAttentionConfig(max_splits=3))  # fmt: skip
 
 
 def test_auto_runs_xla_for_fp32_and_on_cpu():
@@ -203,6 +213,14 @@ def test_auto_runs_xla_for_fp32_and_on_cpu():
     ids=["1.5b_b1", "gqa_b8", "d128"],
 )
 def test_cross_lowers_for_cuda(b, t, n_heads, kv, d):
-    """Production launches (the default config) lower through Pallas -> Triton."""
-    fn = functools.partial(decode_attention, n_heads=n_heads, impl="pallas")
-    assert count_triton_calls(fn, *_args(b, t, n_heads, kv, d)) == 1
+    """Production launches (the default config) lower through Pallas -> Triton: the
+    split kernel and its combine where B x nKV is below min_programs."""
+    config = DecodeAttentionConfig()
+    fn = functools.partial(decode_attention, n_heads=n_heads, impl="pallas", config=config)
+    kernels = 1 if config.splits(b * kv) == 1 else 2
+    assert count_triton_calls(fn, *_args(b, t, n_heads, kv, d)) == kernels
+
+
+def test_splits_grow_until_enough_programs():
+    config = DecodeAttentionConfig(min_programs=256, max_splits=16)
+    assert [config.splits(p) for p in (1, 32, 100, 256, 512)] == [16, 8, 4, 1, 1]
