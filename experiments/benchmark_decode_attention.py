@@ -27,7 +27,6 @@ from absl import app, flags
 from experiments import bench_util as bu
 from pallas_kernels.decode_attention import DecodeAttentionConfig, decode_attention
 
-_OUT = flags.DEFINE_string("out", "", "JSON output path (default: print only).")
 LAYERS = 8
 T, HEADS, HEAD_DIM = 768, 32, 64
 BATCHES = (1, 8)
@@ -84,8 +83,10 @@ def run() -> dict:
 
 def main(argv):
     del argv
-    bu.write_cases(__doc__, run(), _OUT.value)
+    bu.write_cases(__doc__, run(), flags.FLAGS.out)
 
 
 if __name__ == "__main__":
+    # Defined here, not at import: benchmark_attention_layout has its own --out.
+    flags.DEFINE_string("out", "", "JSON output path (default: print only).")
     app.run(main)
