@@ -11,7 +11,7 @@ head) does all of it:
 
 1. loads its query heads and the new key and value from the row's fused q / k / v
    projection `qkv`, rotates q and k (RoPE, HF's rotate-half layout, rounded to the
-   cache dtype as `twell_jax.model.apply_rope` rounds) and writes the new key and
+   cache dtype as `rotate_half`, the model's RoPE, rounds) and writes the new key and
    value to cache slot `slot` (the caches are aliased in place);
 2. streams the cached keys and values of slots pad[b] .. slot - 1 in blocks of
    `block_t`, with an online softmax in fp32 (scores q . k / sqrt(D) on tensor cores,
@@ -23,10 +23,10 @@ Only the slots the row can see are read: a row at position p reads p keys and va
 not the cache's whole length T.
 
 Backends (`impl`): "pallas" (the kernel; bf16), "interpret" (the same kernel in the
-Pallas interpreter, for CPU tests), "xla" (RoPE, `dynamic_update_slice` and
-`jax.nn.dot_product_attention` with a mask: what the model's attention computes, any
-dtype) and "auto" (pallas on a GPU for bf16 and supported shapes, xla otherwise). The
-kernel differs from "xla" within bf16 rounding: XLA rounds the normalised
+Pallas interpreter, for CPU tests), "xla" (`cached_attention`: RoPE,
+`dynamic_update_slice` and `jax.nn.dot_product_attention` with a mask, as the prompt's
+attention runs; any dtype) and "auto" (pallas on a GPU for bf16 and supported shapes,
+xla otherwise). The kernel differs from "xla" within bf16 rounding: XLA rounds the normalised
 probabilities to bf16 before P . V, the kernel rounds the running, unnormalised ones.
 """
 
@@ -119,26 +119,45 @@ def _check_inputs(qkv, cos, sin, cache_k, cache_v, slot, pad, n_heads: int) -> N
 
 
 def rotate_half(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """RoPE of x [..., heads, D] with cos / sin [..., D / 2] fp32, in fp32, rounded to
-    x's dtype (the model's `apply_rope` for one position per row)."""
+    """RoPE (HF's rotate-half layout) of x [..., heads, D] with cos / sin [..., D / 2]
+    fp32, in fp32, rounded to x's dtype; the model's `apply_rope`."""
     x1, x2 = jnp.split(x.astype(_F32), 2, axis=-1)
     c, s = cos[..., None, :], sin[..., None, :]
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
 
 
-def _xla_attention(qkv, cos, sin, cache_k, cache_v, slot, pad, n_heads: int):
-    """The same step in XLA ops (module docstring, "xla")."""
-    b, t, kv, d = cache_k.shape
+def attention_mask(query_slots: jax.Array, pad: jax.Array, t: int) -> jax.Array:
+    """Which cache slots each query sees: bool [B, 1, S, T].
+
+    Query slot q of row b sees slots pad[b]..q (its real tokens so far); a padding
+    query (q < pad[b]) sees only itself, so that its softmax stays finite (its output
+    is never read).
+    """
+    keys = jnp.arange(t)[None, None, :]
+    q = query_slots[None, :, None]
+    real = (keys >= pad[:, None, None]) | (keys == q)
+    return ((keys <= q) & real)[:, None]
+
+
+def cached_attention(qkv, cos, sin, cache_k, cache_v, slot, pad, n_heads: int):
+    """S new tokens per row in XLA ops: the prompt's attention, and "xla" for one token.
+
+    qkv [B, S, (nH + 2 nKV) D]; cos, sin [B, S, D / 2] or [S, D / 2]; caches [B, T, nKV,
+    D]. The new keys / values go to slots slot..slot+S-1, query slot q of row b attends
+    to slots pad[b]..q (`attention_mask`). Returns (o [B, S, nH D], cache_k, cache_v).
+    """
+    b, s, _ = qkv.shape
+    t, kv, d = cache_k.shape[1:]
     q, k, v = jnp.split(qkv, [n_heads * d, (n_heads + kv) * d], axis=-1)
-    q = rotate_half(q.reshape(b, 1, n_heads, d), cos[:, None], sin[:, None])
-    k = rotate_half(k.reshape(b, 1, kv, d), cos[:, None], sin[:, None])
+    q = rotate_half(q.reshape(b, s, n_heads, d), cos, sin)
+    k = rotate_half(k.reshape(b, s, kv, d), cos, sin)
     at = (0, slot, 0, 0)
-    cache_k = lax.dynamic_update_slice(cache_k, k, at)
-    cache_v = lax.dynamic_update_slice(cache_v, v.reshape(b, 1, kv, d), at)
-    keys = jnp.arange(t)[None, :]
-    mask = ((keys >= pad[:, None]) & (keys <= slot))[:, None, None, :]  # [B, 1, 1, T]
+    cache_k = lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype), at)
+    cache_v = lax.dynamic_update_slice(cache_v, v.reshape(b, s, kv, d).astype(cache_v.dtype), at)
+    mask = attention_mask(slot + jnp.arange(s), pad, t)
+    # XLA attention: cuDNN's flash attention takes no arbitrary (left-padding) mask.
     o = jax.nn.dot_product_attention(q, cache_k, cache_v, mask=mask, implementation="xla")
-    return o.reshape(b, n_heads * d), cache_k, cache_v
+    return o.reshape(b, s, n_heads * d), cache_k, cache_v
 
 
 # The running max of a split that sees no slot: finite, so that exp(m - max) is 0, not NaN.
@@ -344,7 +363,10 @@ def decode_attention(
         fits = tr.on_gpu() and qkv.dtype == jnp.bfloat16 and reason is None
         impl = "pallas" if fits else "xla"
     if impl == "xla":
-        return _xla_attention(qkv, cos, sin, cache_k, cache_v, slot, pad, n_heads)
+        o, cache_k, cache_v = cached_attention(
+            qkv[:, None], cos[:, None], sin[:, None], cache_k, cache_v, slot, pad, n_heads
+        )
+        return o[:, 0], cache_k, cache_v
     if qkv.dtype != jnp.bfloat16:
         raise ValueError(f"impl={impl!r} runs bf16 only, got qkv of dtype {qkv.dtype}")
     if reason is not None:

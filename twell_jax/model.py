@@ -41,6 +41,7 @@ import numpy as np
 from flax import nnx
 
 import pallas_kernels
+from pallas_kernels.decode_attention import rotate_half
 from twell_jax import ffn, lm_loss, sharding
 from twell_jax.config import ModelConfig
 
@@ -115,16 +116,15 @@ def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[jax.Array, j
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotates the two halves of each head (Llama / HF "rotate_half" convention).
+    """Rotates the two halves of each head (Llama / HF "rotate_half" convention), in
+    fp32, rounded to x's dtype (one definition with the decode attention's XLA path).
 
     Args:
       x: [B, S, heads, head_dim].
       cos, sin: [S, head_dim / 2] fp32 (positions shared by the batch) or
         [B, S, head_dim / 2] (per-row positions, e.g. left-padded prompts).
     """
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    c, s = cos[..., None, :], sin[..., None, :]
-    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+    return rotate_half(x, cos, sin)
 
 
 class Attention(nnx.Module):

@@ -34,9 +34,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pallas_kernels.decode_attention import decode_attention
+from pallas_kernels.decode_attention import cached_attention, decode_attention
 from twell_jax.config import ModelConfig
-from twell_jax.model import apply_rope
 
 Params = dict[str, Any]
 ATTENTION_KEY = "attention"
@@ -76,41 +75,16 @@ def merge_model(graphdef: nnx.GraphDef, params: Params):
     return nnx.merge(graphdef, {**rest, "blocks": stub})
 
 
-def attention_mask(query_slots: jax.Array, pad: jax.Array, t: int) -> jax.Array:
-    """Which cache slots each query sees: bool [B, 1, S, T].
-
-    Query slot q of row b sees slots pad[b]..q (its real tokens so far); a padding
-    query (q < pad[b]) sees only itself, so that its softmax stays finite (its output
-    is never read).
-    """
-    keys = jnp.arange(t)[None, None, :]
-    q = query_slots[None, :, None]
-    real = (keys >= pad[:, None, None]) | (keys == q)
-    return ((keys <= q) & real)[:, None]
-
-
 def _attention(att: Params, x, cos, sin, cache_k, cache_v, slot, pad, cfg: ModelConfig, impl):
     """The attention block's core for normed x [B, S, H]: (o [B, S, nH D], cache_k,
     cache_v), the new keys / values written to slots slot..slot+S-1."""
-    b, s, _ = x.shape
-    n, kv, d = cfg.n_heads, cfg.kv_heads, cfg.head_dim
     y = jnp.einsum("bsh,fh->bsf", x, att["wqkv"].astype(x.dtype))
-    if s == 1:
-        o, cache_k, cache_v = decode_attention(
-            y[:, 0], cos[:, 0], sin[:, 0], cache_k, cache_v, slot, pad, n_heads=n, impl=impl
-        )
-        return o[:, None], cache_k, cache_v
-    q, k, v = jnp.split(y, [n * d, (n + kv) * d], axis=-1)
-    q = apply_rope(q.reshape(b, s, n, d), cos, sin)
-    k = apply_rope(k.reshape(b, s, kv, d), cos, sin)
-    at = (0, slot, 0, 0)
-    v = v.reshape(b, s, kv, d)
-    cache_k = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype), at)
-    cache_v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype), at)
-    mask = attention_mask(slot + jnp.arange(s), pad, cache_k.shape[1])
-    # XLA attention: cuDNN's flash attention takes no arbitrary (left-padding) mask.
-    o = jax.nn.dot_product_attention(q, cache_k, cache_v, mask=mask, implementation="xla")
-    return o.reshape(b, s, n * d), cache_k, cache_v
+    if x.shape[1] > 1:
+        return cached_attention(y, cos, sin, cache_k, cache_v, slot, pad, cfg.n_heads)
+    o, cache_k, cache_v = decode_attention(
+        y[:, 0], cos[:, 0], sin[:, 0], cache_k, cache_v, slot, pad, n_heads=cfg.n_heads, impl=impl
+    )
+    return o[:, None], cache_k, cache_v
 
 
 def run_layers(model, params: Params, x, cos, sin, cache_k, cache_v, slot, pad, *,
