@@ -32,7 +32,7 @@ model decodes densely). "auto", for a model configured with ffn_impl="twell" or
 "decode", takes the faster path as measured on an H200 (docs/results.md, "Decode and
 generation"): the TwELL prefill from `AUTO_TWELL_PREFILL_TOKENS` prompt tokens up, the
 dense FFN below that; the decode op in the decode steps of batches of up to
-`AUTO_DECODE_OP_MAX_BATCH` prompts (1.27x end to end at batch 1, even at batch 8),
+`AUTO_DECODE_OP_MAX_BATCH` prompts (1.28x end to end at batch 1, 1.00-1.04x at batch 8),
 the dense FFN in larger ones; for any other model "auto" is "dense" (the
 sparse training kernels have no inference advantage over dense, as in
 `train.make_eval_step`).
@@ -63,8 +63,8 @@ NO_TOKEN = -1
 # "auto" runs the TwELL prefill from this many prompt tokens (B x P) up: the TwELL FFN
 # was 0.84x dense at 512 tokens and 1.27x at 4096 (docs/results.md).
 AUTO_TWELL_PREFILL_TOKENS = 4096
-# "auto" decodes through the decode op up to this batch: 1.27x end to end at batch 1,
-# 1.00x at batch 8 (docs/results.md).
+# "auto" decodes through the decode op up to this batch: 1.28x end to end at batch 1,
+# 1.00-1.04x at batch 8 (docs/results.md).
 AUTO_DECODE_OP_MAX_BATCH = 1
 # Padded prompt lengths are multiples of this, so that prompts of similar lengths share
 # one compiled prefill and decode loop.

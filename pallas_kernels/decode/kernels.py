@@ -64,7 +64,7 @@ class DecodeConfig:
     group: int = 16
     block_h: int = 256
     gate_warps: int = 4
-    gate_stages: int = 3
+    gate_stages: int = 4
     reduce_h: int = 64
     reduce_warps: int = 4
     row_products_max_m: int = 1

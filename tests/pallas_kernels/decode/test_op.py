@@ -282,10 +282,12 @@ def test_gpu_wide_down_tiles_still_launch(block_h):
 def test_launch_sizes_shrink_to_fit_shared_memory():
     from pallas_kernels.decode import kernels
 
-    cfg = DecodeConfig()
-    assert [kernels._fit_block_k(cfg, mp) for mp in (16, 32, 64)] == [256, 256, 128]
+    cfg = DecodeConfig()  # 4 gate stages: block_k 256 up to Mp = 16 (M <= 16)
+    assert [kernels._fit_block_k(cfg, mp) for mp in (16, 32, 64)] == [256, 128, 128]
     assert [kernels._fit_block_h(cfg, mp) for mp in (16, 32, 64)] == [256, 256, 256]
-    wide = DecodeConfig(block_h=2048)  # the down loop's [group, block_h] tiles
+    three = DecodeConfig(gate_stages=3)
+    assert [kernels._fit_block_k(three, mp) for mp in (16, 32, 64)] == [256, 256, 128]
+    wide = DecodeConfig(block_h=2048, gate_stages=3)  # the down loop's [group, block_h] tiles
     assert [kernels._fit_block_h(wide, mp) for mp in (16, 32, 64)] == [1024, 512, 1024]
 
 
