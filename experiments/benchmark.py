@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import platform
 import sys
 import time
@@ -245,6 +246,7 @@ def main(argv):
     result = {
         "mode": FLAGS.mode,
         "command": " ".join(["python -m experiments.benchmark", *sys.argv[1:]]),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),  # the compiler's flags shape the timings
         "device": str(jax.devices()[0].device_kind),
         "jax": jax.__version__,
         "host": platform.node(),
