@@ -19,7 +19,7 @@ its bos_token_id in front unless --noadd_bos.
 padded vocabulary; 0: none) keeps ids the tokenizer cannot decode from being drawn.
 --ffn picks the FFN path (`twell_jax.generate`: dense; sparse = the TwELL prefill and
 the small-M decode op in the decode steps; auto = the paths measured faster on an H200
-for a model with sparse FFNs: TwELL for long prefills, the decode op at batch 1). A single
+for a model with sparse FFNs: TwELL for long prefills, the decode op up to batch 8). A single
 prompt streams its text to stdout as tokens arrive; a batch prints one line per prompt
 at the end.
 --output_json writes {"prompt_ids", "new_token_ids", "text"} (lists over the batch,

@@ -32,7 +32,7 @@ model decodes densely). "auto", for a model configured with ffn_impl="twell" or
 "decode", takes the faster path as measured on an H200 (docs/results.md, "Decode and
 generation"): the TwELL prefill from `AUTO_TWELL_PREFILL_TOKENS` prompt tokens up, the
 dense FFN below that; the decode op in the decode steps of batches of up to
-`AUTO_DECODE_OP_MAX_BATCH` prompts (1.28x end to end at batch 1, 1.00-1.04x at batch 8),
+`AUTO_DECODE_OP_MAX_BATCH` prompts (1.28x end to end at batch 1, 1.04x at batch 8),
 the dense FFN in larger ones; for any other model "auto" is "dense" (the
 sparse training kernels have no inference advantage over dense, as in
 `train.make_eval_step`).
@@ -63,9 +63,10 @@ NO_TOKEN = -1
 # "auto" runs the TwELL prefill from this many prompt tokens (B x P) up: the TwELL FFN
 # was 0.84x dense at 512 tokens and 1.27x at 4096 (docs/results.md).
 AUTO_TWELL_PREFILL_TOKENS = 4096
-# "auto" decodes through the decode op up to this batch: 1.28x end to end at batch 1,
-# 1.00-1.04x at batch 8 (docs/results.md).
-AUTO_DECODE_OP_MAX_BATCH = 1
+# "auto" decodes through the decode op up to this batch: its FFN GPU time is 1.75x /
+# 1.11x / 1.12x / 1.04x dense at 1 / 2 / 4 / 8 tokens, generation 1.28x / 1.04x end to
+# end at batch 1 / 8 (docs/results.md); above 8 tokens the op runs the dense formula.
+AUTO_DECODE_OP_MAX_BATCH = 8
 # Padded prompt lengths are multiples of this, so that prompts of similar lengths share
 # one compiled prefill and decode loop.
 PROMPT_BUCKET = 8

@@ -132,7 +132,7 @@ def test_ffn_modes_pick_the_prefill_and_decode_paths():
     assert impls(twell, "auto") == ("twell", "decode")
     assert G.twell_prefill_min_tokens("auto") == G.AUTO_TWELL_PREFILL_TOKENS > 0
     assert G.twell_prefill_min_tokens("sparse") == 0
-    assert G.decode_op_max_batch("auto") == G.AUTO_DECODE_OP_MAX_BATCH == 1
+    assert G.decode_op_max_batch("auto") == G.AUTO_DECODE_OP_MAX_BATCH == 8
     assert G.decode_op_max_batch("sparse") is None
     assert impls(small_model(ffn_impl="sparse"), "auto") == ("dense", "dense")
     # fp32 compute: no TwELL prefill; a non-gated model: no decode path
@@ -196,10 +196,14 @@ def test_auto_decodes_through_the_op_only_in_small_batches(monkeypatch):
     monkeypatch.setattr(ffn, "decode", stand_in)
     cfg = small_model(seq_len=28, ffn_impl="decode")  # a config no other test compiles
     params = init_params(cfg)
-    G.generate(cfg, params, PROMPTS[:1], 3, ffn="auto")
-    assert calls == [(1, cfg.d_model)] * cfg.n_layers  # batch 1: traced once per layer
+    G.generate(cfg, params, PROMPTS, 3, ffn="auto")
+    assert calls == [(3, cfg.d_model)] * cfg.n_layers  # batch 3 <= 8: traced once per layer
     calls.clear()
-    G.generate(cfg, params, PROMPTS[:2], 3, ffn="auto")
+    monkeypatch.setattr(G, "AUTO_DECODE_OP_MAX_BATCH", 1)  # so that batch 2 is above it
+    G.generate(cfg, params, PROMPTS[:1], 3, ffn="auto")
+    assert calls == [(1, cfg.d_model)] * cfg.n_layers
+    calls.clear()
+    G.generate(cfg, params, PROMPTS[:2], 3, ffn="auto")  # above the limit: dense
     assert calls == []
     G.generate(cfg, params, PROMPTS[:2], 3, ffn="sparse")
     assert calls == [(2, cfg.d_model)] * cfg.n_layers
