@@ -20,7 +20,8 @@ or with --train_model_workdir on a pretrain checkpoint and its run's batches; --
 adds joules per token (NVML, twell_jax.energy).
 switch: where the per-layer switch puts its cutoff for each --model_presets layer shape
 at M=--train_tokens (`twell_jax.switch_cost.measure`: both branches on every pattern
-over an l0 grid) and how far from the faster branch it runs at worst.
+over an l0 grid, the rule fitted to them) and how far from the faster branch it runs at
+worst, also on --switch_holdout patterns it was not fitted to.
 decode: decode-size MLPs (M in --decode_tokens), dense XLA against sparse_decode_mlp and
 twell_gated_mlp, interleaved (experiments/benchmark_decode.py); --decode_config repeats.
 generate: end-to-end generation of --model_presets (prefill + KV-cache decode), dense
@@ -87,6 +88,13 @@ flags.DEFINE_bool(
     "would (sparse where its l0 on the first batch is below the run's cutoff); else "
     "every layer runs sparse.",
 )
+flags.DEFINE_list(
+    "switch_holdout",
+    [],
+    "pattern:sigma entries (e.g. skew:0.5,heavy_rows:0.2) that --mode=switch also times "
+    "and judges the fitted rule on, without fitting to them.",
+)
+flags.DEFINE_list("switch_l0_grid", [], "l0 grid of --mode=switch (default: switch_cost.L0_GRID).")
 flags.DEFINE_list("model_compressions", ["2", "8"], "TwELL compressions C of --mode=model.")
 flags.DEFINE_list(
     "model_workdirs",
@@ -333,15 +341,16 @@ def main(argv):
             shape = switch_cost.LayerShape(
                 FLAGS.train_tokens, m.d_model, m.d_ff, m.sparse_ell_width
             )
-            result["cases"].append(
-                {"preset": preset, **switch_cost.measure(shape, reps=FLAGS.reps)}
-            )
-            case = result["cases"][-1]
-            print(
-                json.dumps(
-                    {k: case[k] for k in ("preset", "shape", "cutoff", "cutoffs", "max_regret")}
-                )
-            )
+            holdout = {}
+            for entry in FLAGS.switch_holdout:
+                pattern, _, sigma = entry.partition(":")
+                holdout[entry] = (pattern, float(sigma or 1.0))
+            grid = tuple(float(g) for g in FLAGS.switch_l0_grid) or switch_cost.L0_GRID
+            measured = switch_cost.measure(shape, grid, reps=FLAGS.reps, holdout=holdout)
+            result["cases"].append({"preset": preset, **measured})
+            keys = ("cutoff", "hot_shift", "cutoffs", "max_regret",
+                    "max_regret_between", "holdout_max_regret_between")  # fmt: skip
+            print(json.dumps({"preset": preset, **{k: measured.get(k) for k in keys}}))
     elif FLAGS.mode == "decode":
         from experiments import benchmark_decode
         from pallas_kernels.decode import DecodeConfig

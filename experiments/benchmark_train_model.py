@@ -228,10 +228,13 @@ def _trained_config(
 ) -> TrainConfig:
     """The run's config for one timed chain: `impl` FFNs, one micro-batch of `batch`
     sequences per step, lr FROZEN_LR, the run's lambda from the first step, no dead-row
-    re-init, and (sparse) a switch cutoff above d_ff, so every layer stays sparse, or
-    with `run_switch` the run's own cutoff."""
+    re-init, and (sparse) a switch that never rechecks past step 0, with a cutoff above
+    d_ff, so every layer stays sparse, or with `run_switch` the run's own switch."""
     sp = run_cfg.sparsity
-    cutoff = sp.sparse_l0_cutoff if run_switch else float(run_cfg.model.d_ff + 1)
+    if not run_switch:
+        sp = dataclasses.replace(
+            sp, sparse_l0_cutoff=float(run_cfg.model.d_ff + 1), sparse_recheck_every=2**30
+        )
     return dataclasses.replace(
         run_cfg,
         model=dataclasses.replace(run_cfg.model, ffn_impl=impl),
@@ -241,7 +244,6 @@ def _trained_config(
             sp,
             l1_warmup_steps=0,
             reinit_dead_every=0,
-            sparse_l0_cutoff=cutoff,
         ),
     )
 
@@ -249,11 +251,14 @@ def _trained_config(
 def _run_switch_state(run_cfg: TrainConfig, state: train.TrainState, batch: dict):
     """`state` with the layers on the sparse kernels that the run's switch would put
     there for `batch`: its rule (`sparsity.next_use_sparse` at a recheck step) on each
-    layer's l0 from a forward of the dense FFNs (no step, so no chain moves)."""
-    graphdef = train.model_graphdef(dataclasses.replace(run_cfg.model, ffn_impl="dense"))
-    forward = jax.jit(lambda p, t: nnx.merge(graphdef, p).hidden_states(t)[1]["l0"])
-    l0 = forward(state.params, batch["inputs"])
-    use = sparsity.next_use_sparse(0, l0, state.use_sparse, run_cfg.sparsity)
+    layer's statistics from a forward with every layer on the switch's dense branch (no
+    step, so no chain moves)."""
+    graphdef = train.model_graphdef(dataclasses.replace(run_cfg.model, ffn_impl="sparse"))
+    dense = jnp.zeros((run_cfg.model.n_layers,), bool)
+    forward = jax.jit(lambda p, t: nnx.merge(graphdef, p).hidden_states(t, dense)[1])
+    stats = forward(state.params, batch["inputs"])
+    shares = (stats["hot_share"], stats["tail_load"])
+    use = sparsity.next_use_sparse(0, stats["l0"], *shares, state.use_sparse, run_cfg.sparsity)
     return dataclasses.replace(state, use_sparse=jax.device_put(use, state.use_sparse.sharding))
 
 

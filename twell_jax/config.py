@@ -205,7 +205,14 @@ class SparsityConfig:
         the GPU at start-up (`twell_jax.switch_cost`; without a GPU it keeps
         sparse_l0_cutoff), "l0" uses sparse_l0_cutoff as given.
       sparse_l0_cutoff: with ffn_impl="sparse", a layer runs the sparse kernels only
-        while its last measured l0 is below this.
+        while its last measured l0 is below its cutoff (this, moved by
+        sparse_hot_shift: `sparsity.l0_cutoff`) and its heavy rows fit the sparse op's
+        dense tail (`sparsity.next_use_sparse`).
+      sparse_hot_shift: (low, high, shift): hot neurons (the sparse op's dense block)
+        make the sparse step cheaper, so a layer whose hot neurons hold `high` of its
+        entries or more has its cutoff moved by `shift` (l0 units), one at `low` or
+        less not at all, and one in between in proportion. "cost" sets it from the
+        uniform and skewed calibration patterns.
       sparse_recheck_every: steps between re-evaluations of that per-layer switch.
     """
 
@@ -216,6 +223,7 @@ class SparsityConfig:
     reinit_dead_every: int = 0
     sparse_switch: str = "cost"
     sparse_l0_cutoff: float = 50.0
+    sparse_hot_shift: tuple[float, float, float] = (0.0, 1.0, 0.0)
     sparse_recheck_every: int = 20
 
     def __post_init__(self):
@@ -232,6 +240,8 @@ class SparsityConfig:
         _require(
             self, "sparse_switch", self.sparse_switch in ("cost", "l0"), "must be 'cost' or 'l0'"
         )
+        low, high, _ = self.sparse_hot_shift
+        _require(self, "sparse_hot_shift", 0 <= low < high, "needs 0 <= low < high")
         _require_positive(self, "sparse_recheck_every")
 
 

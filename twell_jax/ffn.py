@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
+from pallas_kernels.sparse_train import hot_share, resolve_config
 from twell_jax import sharding
 from twell_jax.sparsity import hidden_stats
 
@@ -81,7 +82,10 @@ def sparse(x: jax.Array, w: dict[str, jax.Array], ell_width: int) -> tuple[jax.A
 
     The L1 gradient reaches the kernels through the cotangent of the differentiable
     `stats["l1"]` (docs/design.md §6: c = g_l1 / M), exactly as on the dense path, so
-    the op's own `l1_coef` stays 0.
+    the op's own `l1_coef` stays 0. Stats: l1, l0 (fp32), fired (bool [N]), what the
+    per-layer switch reads besides l0 (docs/design.md §7.1): hot_share (fp32, the hot
+    neurons' share of the entries) and tail_load (fp32, `tail_load`), and the int32
+    `SPARSE_COUNTERS`.
     """
     config = pallas_kernels.SparseTrainConfig(ell_width=ell_width)
     out, stats = pallas_kernels.sparse_gated_mlp_train(
@@ -92,8 +96,20 @@ def sparse(x: jax.Array, w: dict[str, jax.Array], ell_width: int) -> tuple[jax.A
         "l1": stats["l1"].astype(jnp.float32),
         "l0": stats["l0"].astype(jnp.float32),
         "fired": stats["fired"].astype(bool),
+        "hot_share": stats["hot_share"].astype(jnp.float32),
+        "tail_load": tail_load(stats["tail_rows"], x.shape, w["w_gate"].shape[0], ell_width),
         **{k: stats[k].astype(jnp.int32) for k in SPARSE_COUNTERS},
     }
+
+
+def tail_load(tail_rows: jax.Array, x_shape, n: int, ell_width: int) -> jax.Array:
+    """fp32: rows past the ELL width over the sparse op's largest dense-tail capacity
+    for x [M, H] (`SparseTrainConfig.tail_capacities`); above 1 the op falls back to
+    its dense formula. What the per-layer switch reads as a layer's heavy rows."""
+    m, h = x_shape
+    config = pallas_kernels.SparseTrainConfig(ell_width=ell_width)
+    capacity = max(resolve_config(m, h, n, config).tail_capacities[-1], 1)
+    return tail_rows.astype(jnp.float32) / capacity
 
 
 def decode(x: jax.Array, w: dict[str, jax.Array]) -> tuple[jax.Array, Stats]:
@@ -112,18 +128,27 @@ def decode(x: jax.Array, w: dict[str, jax.Array]) -> tuple[jax.Array, Stats]:
 DENSE_BRANCH_BLOCK_ROWS = 4096
 
 
-def dense_counted(x: jax.Array, w: dict[str, jax.Array]) -> tuple[jax.Array, Stats]:
-    """The dense branch of the switch (gated ReLU): `dense`'s output and stats
-    with zero overflow counters, computed in blocks of `DENSE_BRANCH_BLOCK_ROWS` rows
-    (`pallas_kernels.blocked_gated_mlp`). XLA plans the switch's memory for its larger
-    branch, so a whole-M dense branch would give the sparse model the dense FFN's
-    [M, N] temporaries however rarely it ran (docs/performance_notes.md,
-    "Training-step memory")."""
-    out, l1_sum, nnz, fired = pallas_kernels.blocked_gated_mlp(
-        x, w["w_gate"], w["w_up"], w["w_down"], DENSE_BRANCH_BLOCK_ROWS
+def dense_counted(x: jax.Array, w: dict[str, jax.Array], ell_width: int) -> tuple[jax.Array, Stats]:
+    """The dense branch of the switch (gated ReLU): `dense`'s output, and the stats of
+    `sparse` at ELL width `ell_width` (the switch reads the same statistics whichever
+    branch ran) with zero overflow counters, computed in blocks of
+    `DENSE_BRANCH_BLOCK_ROWS` rows (`pallas_kernels.blocked_gated_mlp`). XLA plans the
+    switch's memory for its larger branch, so a whole-M dense branch would give the
+    sparse model the dense FFN's [M, N] temporaries however rarely it ran
+    (docs/performance_notes.md, "Training-step memory")."""
+    out, l1_sum, counts = pallas_kernels.blocked_gated_mlp(
+        x, w["w_gate"], w["w_up"], w["w_down"], DENSE_BRANCH_BLOCK_ROWS, ell_width
     )
-    m = x.shape[0]
-    stats = {"l1": l1_sum / m, "l0": nnz / m, "fired": fired}
+    m, h = x.shape
+    config = pallas_kernels.SparseTrainConfig(ell_width=ell_width)
+    hot_min = resolve_config(m, h, counts.col_counts.shape[0], config).hot_min_count
+    stats = {
+        "l1": l1_sum / m,
+        "l0": counts.nnz / m,
+        "fired": counts.fired,
+        "hot_share": hot_share(counts.col_counts, hot_min),
+        "tail_load": tail_load(counts.heavy_rows, x.shape, counts.col_counts.shape[0], ell_width),
+    }
     return out, {**stats, **{k: jnp.zeros((), jnp.int32) for k in SPARSE_COUNTERS}}
 
 
@@ -138,6 +163,8 @@ STAT_REDUCTIONS = {
     "fired": _any,
     "max_tile_count": jax.lax.pmax,
     "overflow_tiles": jax.lax.psum,
+    "hot_share": jax.lax.pmean,
+    "tail_load": jax.lax.pmax,
     "tail_rows": jax.lax.psum,
     "dense_fallback": jax.lax.pmax,
 }

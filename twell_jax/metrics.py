@@ -8,7 +8,8 @@ file into a PNG of train / val CE and l0 against the step.
 
 Record keys: `step`, `kind` ("train" or "eval"); train records carry the scalars of the
 train step (loss, ce, l1_loss, l1_coef, grad_norm, lr), the per-layer lists l1, l0,
-sparsity, alive, use_sparse (and the sparse overflow counters), their layer means
+sparsity, alive, use_sparse (and with the sparse switch hot_share, tail_load and the
+sparse overflow counters), their layer means
 `l0_mean`, `sparsity_mean`, `alive_mean`, `tokens_per_s`, and the run's count of skipped
 non-finite steps so far `skipped_steps` (the trainer adds it); with an energy meter
 (`--energy`) also `joules_per_token` and `watts` (`energy_fields`); eval records carry

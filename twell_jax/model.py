@@ -188,7 +188,8 @@ class FeedForward(nnx.Module):
 
         Returns:
           out [M, H] compute dtype, and stats {l1, l0: fp32 scalars, fired: [N] bool};
-          ffn_impl="sparse" adds the int32 counters `ffn.SPARSE_COUNTERS`; ffn_impl="twell"
+          ffn_impl="sparse" adds hot_share and tail_load (fp32, what the switch reads:
+          `ffn.sparse`) and the int32 counters `ffn.SPARSE_COUNTERS`; ffn_impl="twell"
           gives {l0, max_tile_count, overflow_tiles} instead (see `ffn.twell`).
         """
         cfg = self.cfg
@@ -201,7 +202,7 @@ class FeedForward(nnx.Module):
             return ffn.per_batch_shard(ffn.decode)(x, w)
         if cfg.ffn_impl == "sparse":
             sparse = ffn.per_batch_shard(lambda x, w: ffn.sparse(x, w, cfg.sparse_ell_width))
-            dense = ffn.per_batch_shard(ffn.dense_counted)
+            dense = ffn.per_batch_shard(lambda x, w: ffn.dense_counted(x, w, cfg.sparse_ell_width))
             return jax.lax.cond(use_sparse, sparse, dense, x, w)
         return ffn.dense(x, w, cfg.ffn_variant)
 

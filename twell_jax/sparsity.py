@@ -150,22 +150,53 @@ def reinit_dead_rows(
     return new_params, jnp.where(dead, 0, tokens_since_fired)
 
 
+def l0_cutoff(hot_share, cfg: SparsityConfig):
+    """A layer's l0 cutoff (docs/design.md §7.1): `sparse_l0_cutoff`, moved by
+    `sparse_hot_shift` in proportion to where the layer's hot share lies between its
+    (low, high) shares, held at the ends (no extrapolation past the calibration
+    patterns).
+
+    hot_share: fp32 array of any shape (or a float); returns its shape.
+    """
+    low, high, shift = cfg.sparse_hot_shift
+    part = (jnp.asarray(hot_share, jnp.float32) - low) / (high - low)
+    return cfg.sparse_l0_cutoff + shift * jnp.clip(part, 0.0, 1.0)
+
+
+def sparse_wins(l0, hot_share, tail_load, cfg: SparsityConfig):
+    """Whether a layer with these statistics runs the sparse kernels: l0 below its
+    `l0_cutoff`, and its heavy rows within the sparse op's dense tail (tail_load, rows
+    past the ELL width over the tail's largest capacity, at most 1): past it the op
+    runs its dense fallback, slower than the dense branch (docs/design.md §7.1).
+    Arrays of one shape (or floats) -> bool of that shape."""
+    fits = jnp.asarray(tail_load, jnp.float32) <= 1.0
+    return (jnp.asarray(l0, jnp.float32) < l0_cutoff(hot_share, cfg)) & fits
+
+
 def next_use_sparse(
-    step: jax.Array, l0: jax.Array, use_sparse: jax.Array, cfg: SparsityConfig
+    step: jax.Array,
+    l0: jax.Array,
+    hot_share: jax.Array,
+    tail_load: jax.Array,
+    use_sparse: jax.Array,
+    cfg: SparsityConfig,
 ) -> jax.Array:
-    """The l0-cutoff switch (docs/design.md §7): which layers run the sparse kernels next.
+    """The per-layer switch (docs/design.md §7): which layers run the sparse kernels next.
 
     Every `sparse_recheck_every` steps (starting at step 0) a layer is switched to the
-    sparse kernels iff its l0 measured in this step is below `sparse_l0_cutoff`, and back
-    to dense otherwise; in between the switch holds.
+    sparse kernels iff its statistics of this step say so (`sparse_wins`), and back to
+    dense otherwise; in between the switch holds.
 
     Args:
-      step: optimizer step that measured `l0` (int32 scalar).
+      step: optimizer step that measured the statistics (int32 scalar).
       l0: [L] fp32 mean non-zeros per token of this step.
+      hot_share: [L] fp32, the hot neurons' share of the entries (`ffn.sparse`).
+      tail_load: [L] fp32, rows past the ELL width over the sparse op's tail capacity.
       use_sparse: [L] bool, the current switch.
       cfg: sparsity config.
 
     Returns:
       [L] bool.
     """
-    return jnp.where(step % cfg.sparse_recheck_every == 0, l0 < cfg.sparse_l0_cutoff, use_sparse)
+    wins = sparse_wins(l0, hot_share, tail_load, cfg)
+    return jnp.where(step % cfg.sparse_recheck_every == 0, wins, use_sparse)

@@ -1,16 +1,18 @@
 """The per-layer switch's cutoff from measured costs (docs/design.md §7.1).
 
-A layer with ffn_impl="sparse" runs the sparse training op while its l0 is below a
+A layer with ffn_impl="sparse" runs the sparse training op while its l0 is below its
 cutoff. Where sparse beats dense depends on the layer's shape (at H = 768, N = 2048
 the sparse step is slower than dense above l0 of a few, at H = 2048, N = 5632 it wins
-up to l0 of about 70) and on the activation pattern (hot neurons, heavy rows). So the
-cutoff is measured, not guessed: for the run's per-device FFN shape, the FFN forward
+up to l0 of about 60) and on the activation pattern: hot neurons make the sparse step
+cheaper (they take a dense block), heavy rows dearer (they take the dense tail). So
+the rule is measured, not guessed: for the run's per-device FFN shape, the FFN forward
 and backward of both branches of the model's switch are timed on synthetic gates of
-each pattern of `synthetic.PATTERNS` over a grid of l0 values, and the cutoff is the
-l0 at which the geometric mean over patterns of sparse / dense time crosses 1
-(log-linear interpolation between grid points). The measurement runs once per
-(device, shape, config) and is kept in the workdir (`FILE_NAME`), so a resumed run
-takes the same decisions.
+each pattern of `synthetic.PATTERNS` over a grid of l0 values. The uniform pattern's
+crossover (log-linear interpolation between grid points) is the base cutoff; the
+skewed and heavy-row patterns' crossovers give how far a layer's hot-neuron share and
+tail-row share move it (`fit_rule`, `sparsity.l0_cutoff`). The measurement runs once
+per (device, shape, config) and is kept in the workdir (`FILE_NAME`), so a resumed
+run takes the same decisions.
 """
 
 from __future__ import annotations
@@ -27,14 +29,16 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from twell_jax import ffn, synthetic
-from twell_jax.config import TrainConfig
+from twell_jax import ffn, sparsity, synthetic
+from twell_jax.config import SparsityConfig, TrainConfig
 
 FILE_NAME = "switch_cost.json"
 L0_GRID = (2.0, 4.0, 8.0, 16.0, 32.0, 48.0, 64.0, 96.0)
 # Pattern strengths of the calibration: skew sigma = 1 is what trained checkpoints show
 # (docs/results.md, "Activation patterns"), heavy_rows sigma = 0.35 a p99 of ~13x l0.
 _SIGMA = {"uniform": 1.0, "skew": 1.0, "heavy_rows": 0.35}
+# (low, high, shift) of a share that moves no cutoff.
+_NO_SHIFT = (0.0, 1.0, 0.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,82 +94,171 @@ def _step_fn(ffn):
     return jax.jit(jax.grad(loss, argnums=(0, 1)))
 
 
-def measure(shape: LayerShape, l0_grid=L0_GRID, reps: int = 10, warmup: int = 3) -> dict:
-    """Times both branches of the switch at `shape` on every pattern and grid point.
+def _sparse_stats_fn(ell_width: int):
+    """jit of x, weights -> the sparse branch's (hot_share, tail_load)."""
+
+    def shares(x, w):
+        stats = ffn.sparse(x, w, ell_width)[1]
+        return stats["hot_share"], stats["tail_load"]
+
+    return jax.jit(shares)
+
+
+def _time_pattern(shape, grid, pattern, sigma, fns, reps, warmup) -> dict:
+    """One pattern over the l0 grid: l0, both branches' ms, their ratio and the layer's
+    hot share and tail load at each point."""
+    dense, sparse, shares = fns
+    rec = {"sigma": sigma, "l0": [], "dense_ms": [], "sparse_ms": [], "ratio": [],
+           "hot_share": [], "tail_load": []}  # fmt: skip
+    for i, target in enumerate(grid):
+        x, wg, wu, wd = synthetic.synthetic_mlp(
+            shape.m, shape.h, shape.n, target, seed=i, pattern=pattern, sigma=sigma
+        )
+        w = {"w_gate": wg, "w_up": wu, "w_down": wd}
+        g = jax.random.normal(jax.random.key(i), x.shape, x.dtype)
+        d_ms, s_ms = [], []
+        for _ in range(2):  # dense, sparse, dense, sparse
+            d_ms += _call_times_ms(dense, (x, w, g), warmup, reps // 2)
+            s_ms += _call_times_ms(sparse, (x, w, g), warmup, reps // 2)
+        hot, tail = shares(x, w)
+        rec["l0"].append(float(jnp.mean(jnp.sum(jnp.einsum("mh,nh->mn", x, wg) > 0, axis=1))))
+        rec["dense_ms"].append(statistics.median(d_ms))
+        rec["sparse_ms"].append(statistics.median(s_ms))
+        rec["ratio"].append(rec["sparse_ms"][-1] / rec["dense_ms"][-1])
+        rec["hot_share"].append(float(hot))
+        rec["tail_load"].append(float(tail))
+    return rec
+
+
+def measure(
+    shape: LayerShape,
+    l0_grid=L0_GRID,
+    reps: int = 10,
+    warmup: int = 3,
+    holdout: dict[str, tuple[str, float]] | None = None,
+) -> dict:
+    """Times both branches of the switch at `shape` on every pattern and grid point,
+    and fits the switch's rule to them (`fit_rule`).
 
     Dense and sparse alternate within each case (the same power state for both) and
-    each time is the median of `reps` synchronised calls.
+    each time is the median of `reps` synchronised calls. `holdout` ({name: (pattern,
+    sigma)}) adds patterns that are timed and judged but not fitted to.
 
     Returns:
-      {"shape", "device", "l0_grid", "patterns": {pattern: {"l0", "dense_ms",
-      "sparse_ms", "ratio"}}, "ratio_geomean", "cutoff", "cutoffs" (per pattern),
-      "max_regret" (`max_regret` at the cutoff), "max_regret_between"
-      (`max_regret_between` at the cutoff)}.
+      {"shape", "device", "l0_grid", "patterns": {pattern: {"sigma", "l0", "dense_ms",
+      "sparse_ms", "ratio", "hot_share", "tail_load"}}, `fit_rule`'s keys,
+      "max_regret" and "max_regret_between" of the rule on the fitted patterns, and with
+      holdout "holdout" (the same per pattern) and "holdout_max_regret_between"}.
     """
     sparse = _step_fn(lambda x, w: ffn.sparse(x, w, shape.ell_width))
-    dense = _step_fn(ffn.dense_counted)
+    dense = _step_fn(lambda x, w: ffn.dense_counted(x, w, shape.ell_width))
+    fns = (dense, sparse, _sparse_stats_fn(shape.ell_width))
     grid = [g for g in l0_grid if g < shape.n / 4]
-    per_pattern = {}
-    for pattern in synthetic.PATTERNS:
-        rec = {"l0": [], "dense_ms": [], "sparse_ms": [], "ratio": []}
-        for i, target in enumerate(grid):
-            x, wg, wu, wd = synthetic.synthetic_mlp(
-                shape.m, shape.h, shape.n, target, seed=i, pattern=pattern, sigma=_SIGMA[pattern]
-            )
-            w = {"w_gate": wg, "w_up": wu, "w_down": wd}
-            g = jax.random.normal(jax.random.key(i), x.shape, x.dtype)
-            d_ms, s_ms = [], []
-            for _ in range(2):  # dense, sparse, dense, sparse
-                d_ms += _call_times_ms(dense, (x, w, g), warmup, reps // 2)
-                s_ms += _call_times_ms(sparse, (x, w, g), warmup, reps // 2)
-            l0 = float(jnp.mean(jnp.sum(jnp.einsum("mh,nh->mn", x, wg) > 0, axis=1)))
-            rec["l0"].append(l0)
-            rec["dense_ms"].append(statistics.median(d_ms))
-            rec["sparse_ms"].append(statistics.median(s_ms))
-            rec["ratio"].append(rec["sparse_ms"][-1] / rec["dense_ms"][-1])
-        per_pattern[pattern] = rec
-    geomean = [
-        float(np.exp(np.mean([np.log(per_pattern[p]["ratio"][i]) for p in per_pattern])))
-        for i in range(len(grid))
-    ]
-    cutoff = crossover(grid, geomean)
-    return {
+    per_pattern = {
+        p: _time_pattern(shape, grid, p, _SIGMA[p], fns, reps, warmup) for p in synthetic.PATTERNS
+    }
+    rule = fit_rule(per_pattern, grid)
+    result = {
         "shape": dataclasses.asdict(shape),
         "device": jax.devices()[0].device_kind,
         "l0_grid": grid,
         "patterns": per_pattern,
-        "ratio_geomean": geomean,
-        "cutoff": cutoff,
-        "cutoffs": {p: crossover(grid, r["ratio"]) for p, r in per_pattern.items()},
-        "max_regret": max_regret(per_pattern, cutoff),
-        "max_regret_between": max_regret_between(per_pattern, cutoff),
+        **rule,
+        "max_regret": max_regret(per_pattern, rule_config(rule)),
+        "max_regret_between": max_regret_between(per_pattern, rule_config(rule)),
     }
+    if holdout:
+        held = {
+            name: _time_pattern(shape, grid, p, sigma, fns, reps, warmup)
+            for name, (p, sigma) in holdout.items()
+        }
+        result["holdout"] = held
+        result["holdout_max_regret_between"] = max_regret_between(held, rule_config(rule))
+    return result
 
 
-def max_regret(per_pattern: dict, cutoff: float) -> float:
+def _stat_at(rec: dict, key: str, l0: float) -> float:
+    """rec[key] interpolated at `l0`, linearly in log l0 (held flat past the ends)."""
+    log_l0 = np.log(rec["l0"])
+    order = np.argsort(log_l0)
+    return float(np.interp(math.log(max(l0, 1e-6)), log_l0[order], np.asarray(rec[key])[order]))
+
+
+def fit_rule(per_pattern: dict, grid) -> dict:
+    """The switch's rule from the measured patterns (docs/design.md §7.1).
+
+    The uniform pattern's crossover is the base cutoff. Hot neurons move a layer's
+    crossover: the cutoff moves by the distance of the skewed pattern's crossover from
+    the base, in proportion to where the layer's hot share lies between the uniform
+    pattern's share at its crossover (low) and the skewed pattern's at its own (high)
+    (`sparsity.l0_cutoff`); a share that does not grow from one to the other moves
+    nothing. Heavy rows need no fitting: the rule's tail guard (`sparsity.sparse_wins`)
+    is where the sparse op falls back, and below it heavy rows are not dearer than
+    uniform ones (docs/results.md, "Activation patterns").
+
+    Returns:
+      {"cutoff", "hot_shift": [low, high, shift], "cutoffs": each pattern's own
+      crossover}.
+    """
+    cutoffs = {p: crossover(grid, r["ratio"]) for p, r in per_pattern.items()}
+    base = cutoffs["uniform"]
+    uniform, skew = per_pattern["uniform"], per_pattern.get("skew")
+    shift = list(_NO_SHIFT)
+    if skew is not None and "hot_share" in skew and "hot_share" in uniform:
+        low = max(_stat_at(uniform, "hot_share", base), 0.0)
+        high = _stat_at(skew, "hot_share", cutoffs["skew"])
+        if high > low:
+            shift = [low, high, cutoffs["skew"] - base]
+    return {"cutoff": base, "hot_shift": shift, "cutoffs": cutoffs}
+
+
+def rule_config(rule: dict | float) -> SparsityConfig:
+    """A SparsityConfig deciding as `rule` (`fit_rule`'s keys, or a plain l0 cutoff)."""
+    if not isinstance(rule, dict):
+        return SparsityConfig(sparse_l0_cutoff=float(rule))
+    hot_shift = tuple(rule.get("hot_shift", _NO_SHIFT))
+    return SparsityConfig(sparse_l0_cutoff=rule["cutoff"], sparse_hot_shift=hot_shift)
+
+
+def _sparse_chosen(rec: dict, l0_values, sp: SparsityConfig) -> np.ndarray:
+    """bool [len(l0_values)]: where the rule runs the sparse kernels on a pattern whose
+    statistics vary with l0 as measured in `rec` (none recorded: 0)."""
+    stats = [
+        np.asarray([_stat_at(rec, key, l0) if key in rec else 0.0 for l0 in l0_values])
+        for key in ("hot_share", "tail_load")
+    ]
+    return np.asarray(sparsity.sparse_wins(np.asarray(l0_values), *stats, sp))
+
+
+def max_regret(per_pattern: dict, rule: SparsityConfig | float) -> float:
     """How much slower than the faster branch the switch runs at worst, over the
-    measured patterns and l0 values (0.05: 5% slower), with `cutoff` deciding."""
+    measured patterns and l0 values (0.05: 5% slower), with `rule` (a SparsityConfig or
+    a plain l0 cutoff) deciding."""
+    sp = rule if isinstance(rule, SparsityConfig) else rule_config(rule)
     worst = 0.0
     for rec in per_pattern.values():
-        for l0, d, s in zip(rec["l0"], rec["dense_ms"], rec["sparse_ms"], strict=True):
-            chosen = s if l0 < cutoff else d
+        chosen_sparse = _sparse_chosen(rec, rec["l0"], sp)
+        points = zip(chosen_sparse, rec["dense_ms"], rec["sparse_ms"], strict=True)
+        for use_sparse, d, s in points:
+            chosen = s if use_sparse else d
             worst = max(worst, chosen / min(d, s) - 1.0)
     return worst
 
 
-def max_regret_between(per_pattern: dict, cutoff: float, points: int = 256) -> float:
+def max_regret_between(per_pattern: dict, rule: SparsityConfig | float, points: int = 256) -> float:
     """`max_regret` between the measured points too: each pattern's sparse / dense ratio
-    interpolated linearly in (log l0, log ratio), as `crossover` does, and evaluated at
-    `points` l0 values spaced evenly in log l0 over the measured range. A pattern whose
-    own crossover lies away from `cutoff` is decided wrongly between the two, and its
-    worst case is at the cutoff, which the measured points alone do not see."""
+    (and its statistics) interpolated linearly in log l0 (the ratio in log, as `crossover`
+    does), and evaluated at `points` l0 values spaced evenly in log l0 over the measured
+    range. A pattern whose own crossover lies away from the cutoff the rule gives it
+    is decided wrongly between the two, which the measured points alone do not see."""
+    sp = rule if isinstance(rule, SparsityConfig) else rule_config(rule)
     worst = 0.0
     for rec in per_pattern.values():
         log_l0 = np.log(rec["l0"])
         order = np.argsort(log_l0)
         fine = np.linspace(log_l0.min(), log_l0.max(), points)
         ratio = np.exp(np.interp(fine, log_l0[order], np.log(rec["ratio"])[order]))
-        sparse_chosen = fine < math.log(cutoff) if cutoff > 0 else np.zeros(points, bool)
+        sparse_chosen = _sparse_chosen(rec, np.exp(fine), sp)
         slower = np.where(sparse_chosen, ratio, 1.0 / ratio)
         worst = max(worst, float(np.max(slower)) - 1.0)
     return max(worst, 0.0)
@@ -218,13 +311,17 @@ def resolve_cutoff(
             with open(tmp, "w") as f:
                 json.dump(saved, f, indent=1)
             os.replace(tmp, path)
-    cutoff = record["cutoff"]
+    rule = rule_config(record)  # older records have no shifts: a plain l0 cutoff
+    cutoff = rule.sparse_l0_cutoff
     between = record.get("max_regret_between")  # absent from older records
+    _, hot_ref, hot_shift = rule.sparse_hot_shift
     logging.info(
-        "per-layer switch: sparse below l0 %.1f at M=%d H=%d N=%d (worst case %.1f%% "
-        "slower than the faster branch on the measured patterns, %s between the measured "
+        "per-layer switch: sparse below l0 %.1f at M=%d H=%d N=%d, %+.1f at a hot-neuron "
+        "share of %.2f, while the heavy rows fit the dense tail (worst case %.1f%% slower "
+        "than the faster branch on the measured patterns, %s between the measured "
         "points%s)",
-        cutoff, shape.m, shape.h, shape.n, 100 * record["max_regret"],
+        cutoff, shape.m, shape.h, shape.n, hot_shift, hot_ref, 100 * record["max_regret"],
         "?" if between is None else f"{100 * between:.1f}%", f"; {path}" if path else "",
     )  # fmt: skip
-    return dataclasses.replace(cfg, sparsity=dataclasses.replace(sp, sparse_l0_cutoff=cutoff))
+    fitted = {"sparse_l0_cutoff": cutoff, "sparse_hot_shift": rule.sparse_hot_shift}
+    return dataclasses.replace(cfg, sparsity=dataclasses.replace(sp, **fitted))

@@ -247,7 +247,9 @@ def make_train_step(
       with B = cfg.batch_size. Metrics (device arrays; `jax.device_get` them):
       scalars loss, ce, l1_loss (lambda * L1 term), l1_coef, grad_norm (before
       clipping), lr; per layer [L]: l1, l0, sparsity (1 - l0/N), alive, use_sparse,
-      and with ffn_impl="sparse" the int32 overflow counters tail_rows, dense_fallback.
+      and with ffn_impl="sparse" what the switch reads besides l0 (hot_share, tail_load:
+      fp32, `sparsity.next_use_sparse`) and the int32 overflow counters tail_rows,
+      dense_fallback.
 
     Raises:
       ValueError: ffn_impl="twell" (inference kernels have no gradient), or a
@@ -320,9 +322,16 @@ def make_train_step(
                 params,
                 tokens_since_fired,
             )
-        use_sparse = state.use_sparse
+        use_sparse, switch_stats = state.use_sparse, {}
         if cfg.model.ffn_impl == "sparse":
-            use_sparse = sparsity.next_use_sparse(state.step, l0, use_sparse, sp)
+            # What the switch reads besides l0 (the tail of the worst micro-batch).
+            switch_stats = {
+                "hot_share": stats["hot_share"].mean(axis=0),
+                "tail_load": stats["tail_load"].max(axis=0),
+            }
+            use_sparse = sparsity.next_use_sparse(
+                state.step, l0, *switch_stats.values(), use_sparse, sp
+            )
         new_state = TrainState(next_step, params, opt_state, tokens_since_fired, use_sparse)
         if skip_nonfinite:
             finite = jnp.isfinite(loss.mean()) & jnp.isfinite(optax.tree.norm(grads))
@@ -340,6 +349,7 @@ def make_train_step(
             "sparsity": sparsity.sparsity_fraction(l0, cfg.model.d_ff),
             "alive": alive,
             "use_sparse": state.use_sparse,
+            **switch_stats,
             # Sparse-op overflow counters, summed over micro-batches.
             **{k: stats[k].sum(axis=0) for k in SPARSE_COUNTERS if k in stats},
         }

@@ -12,6 +12,7 @@ from pallas_kernels.sparse_train.config import SparseTrainConfig
 from pallas_kernels.sparse_train.dense_rows import blocked_gated_mlp
 from pallas_kernels.sparse_train.op import (
     RESIDUALS_NAME,
+    hot_share,
     resolve_config,
     sparse_gated_mlp_train,
     sparse_train_supported,
@@ -21,6 +22,7 @@ __all__ = [
     "RESIDUALS_NAME",
     "SparseTrainConfig",
     "blocked_gated_mlp",
+    "hot_share",
     "resolve_config",
     "sparse_gated_mlp_train",
     "sparse_train_supported",

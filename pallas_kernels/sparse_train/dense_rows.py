@@ -14,6 +14,7 @@ Shapes: x [M, H] bf16; weights [N, H] (w_down is down_proj transposed). Rounding
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -45,26 +46,55 @@ def after(a, dep):
     return lax.optimization_barrier((a, dep))[0]
 
 
-def _block_with_counts(x, wg, wu, wd):
-    """`dense_block` plus its non-zero count (fp32) and fired neurons (bool [N])."""
+class RowCounts(NamedTuple):
+    """What a dense call counts besides its output (no gradient): nnz fp32, the
+    non-zeros of h; fired bool [N], neurons non-zero for some row; col_counts int32
+    [N], non-zeros per neuron; heavy_rows int32, rows with more than `row_limit`."""
+
+    nnz: jax.Array
+    fired: jax.Array
+    col_counts: jax.Array
+    heavy_rows: jax.Array
+
+
+def _block_with_counts(x, wg, wu, wd, row_limit: int):
+    """`dense_block`'s output, its sum |h| (fp32) and its `RowCounts`."""
     hid = gated_hidden(x, wg, wu)
     nonzero = hid != 0
     out = jnp.einsum("mn,nh->mh", hid, wd).astype(x.dtype)
     l1 = jnp.sum(jnp.abs(hid.astype(_F32)))
-    return out, l1, jnp.sum(nonzero, dtype=_F32), jnp.any(nonzero, axis=0)
+    # Two independent reductions of the mask (one pass over it); counting columns
+    # over the light rows only would chain them.
+    col_counts = jnp.sum(nonzero, axis=0, dtype=jnp.int32)
+    heavy = jnp.sum(jnp.sum(nonzero, axis=1, dtype=jnp.int32) > row_limit, dtype=jnp.int32)
+    counts = RowCounts(
+        nnz=jnp.sum(col_counts).astype(_F32),
+        fired=col_counts > 0,
+        col_counts=col_counts,
+        heavy_rows=heavy,
+    )
+    return out, l1, counts
 
 
-def dense_forward(x, wg, wu, wd, block_rows: int):
-    """(out [M, H], sum |h| fp32, non-zeros of h fp32, fired bool [N]), block by block."""
+def dense_forward(x, wg, wu, wd, block_rows: int, row_limit: int):
+    """(out [M, H], sum |h| fp32, `RowCounts`), block by block."""
+    n = wg.shape[0]
     out = jnp.zeros_like(x)
-    l1 = nnz = jnp.zeros((), _F32)
-    fired = jnp.zeros((wg.shape[0],), jnp.bool_)
+    l1 = jnp.zeros((), _F32)
+    counts = RowCounts(jnp.zeros((), _F32), jnp.zeros((n,), jnp.bool_),
+                       jnp.zeros((n,), jnp.int32), jnp.zeros((), jnp.int32))  # fmt: skip
     for start, size in row_blocks(x.shape[0], block_rows):
         x_b = after(lax.slice_in_dim(x, start, start + size), out)
-        out_b, l1_b, nnz_b, fired_b = _block_with_counts(x_b, wg, wu, wd)
+        out_b, l1_b, counts_b = _block_with_counts(x_b, wg, wu, wd, row_limit)
         out = lax.dynamic_update_slice_in_dim(out, out_b, start, 0)
-        l1, nnz, fired = l1 + l1_b, nnz + nnz_b, fired | fired_b
-    return out, l1, nnz, fired
+        l1 = l1 + l1_b
+        counts = RowCounts(
+            counts.nnz + counts_b.nnz,
+            counts.fired | counts_b.fired,
+            counts.col_counts + counts_b.col_counts,
+            counts.heavy_rows + counts_b.heavy_rows,
+        )
+    return out, l1, counts
 
 
 def dense_backward(x, g_out, wg, wu, wd, scale, block_rows: int):
@@ -86,24 +116,28 @@ def dense_backward(x, g_out, wg, wu, wd, scale, block_rows: int):
     return (dx, *(d.astype(w.dtype) for d, w in zip(dws, weights, strict=True)))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def blocked_gated_mlp(x, w_gate, w_up, w_down, block_rows: int):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def blocked_gated_mlp(x, w_gate, w_up, w_down, block_rows: int, row_limit: int):
     """The dense gated MLP in row blocks, differentiable in out and in sum |h|.
 
-    Returns (out [M, H] x.dtype, sum |h| fp32, non-zeros of h fp32, fired bool [N]);
-    the last two carry no gradient. The backward recomputes each block from x (nothing
-    [M, N] is saved), like a rematerialised dense MLP.
+    Returns (out [M, H] x.dtype, sum |h| fp32, `RowCounts`); the counts carry no
+    gradient. They give a model's switch the statistics the sparse op reports (its
+    l0, fired neurons, hot share and tail rows at ELL width `row_limit`).
+    The backward recomputes each block from x (nothing [M, N] is saved), like a
+    rematerialised dense MLP.
     """
-    return dense_forward(x, w_gate, w_up, w_down, block_rows)
+    return dense_forward(x, w_gate, w_up, w_down, block_rows, row_limit)
 
 
-def _blocked_fwd(x, w_gate, w_up, w_down, block_rows):
-    return dense_forward(x, w_gate, w_up, w_down, block_rows), (x, w_gate, w_up, w_down)
+def _blocked_fwd(x, w_gate, w_up, w_down, block_rows, row_limit):
+    out = dense_forward(x, w_gate, w_up, w_down, block_rows, row_limit)
+    return out, (x, w_gate, w_up, w_down)
 
 
-def _blocked_bwd(block_rows, res, cts):
+def _blocked_bwd(block_rows, row_limit, res, cts):
+    del row_limit
     x, wg, wu, wd = res
-    g_out, g_l1, _, _ = cts
+    g_out, g_l1, _ = cts
     return dense_backward(x, g_out.astype(x.dtype), wg, wu, wd, g_l1.astype(_F32), block_rows)
 
 

@@ -69,6 +69,15 @@ _MIN_BLOCK = 16
 _HOT_TOKENS_PER_ENTRY = 64
 
 
+def hot_share(col_counts: jax.Array, hot_min_count: int) -> jax.Array:
+    """fp32 scalar: the share of all entries that fall in neurons with at least
+    `hot_min_count` of them (col_counts: int32 [N] entries per neuron); 0 without
+    entries. What the per-layer sparse / dense switch reads as a layer's skew."""
+    hot = jnp.where(col_counts >= hot_min_count, col_counts, 0)
+    total = jnp.maximum(jnp.sum(col_counts, dtype=_F32), 1.0)
+    return jnp.sum(hot, dtype=_F32) / total
+
+
 def resolve_config(m: int, h: int, n: int, config: SparseTrainConfig) -> SparseTrainConfig:
     """Fits the config to the shapes: every kernel's block shrinks to the largest power
     of two dividing H (the compaction's columns: N), production shapes keeping the
@@ -174,12 +183,15 @@ def _forward(static: _Static, x, wg, wu, wd):
 
     def dense(_):
         with jax.named_scope("twell_dense_fallback_fwd"):
-            out, l1_sum, _, _ = dense_rows.dense_forward(x, wg, wu, wd, cfg.fallback_block_rows)
+            out, l1_sum, *_ = dense_rows.dense_forward(
+                x, wg, wu, wd, cfg.fallback_block_rows, cfg.ell_width
+            )
         return out, l1_sum
 
     branches = [functools.partial(tail, cap) for cap in caps] + [dense]
     out, l1_sum = lax.switch(bucket, branches, out)
     cap_used = jnp.asarray((*caps, -1), jnp.int32)[bucket]
+    hot = ell.col_counts >= cfg.hot_min_count
     stats = {
         "l0": jnp.sum(ell.counts).astype(_F32) / m,
         "l1": l1_sum / m,
@@ -187,7 +199,8 @@ def _forward(static: _Static, x, wg, wu, wd):
         "tail_rows": plan.n_rows,
         "tail_capacity": cap_used,
         "dense_fallback": fallback.astype(jnp.int32),
-        "hot_neurons": jnp.sum(ell.col_counts >= cfg.hot_min_count, dtype=jnp.int32),
+        "hot_neurons": jnp.sum(hot, dtype=jnp.int32),
+        "hot_share": hot_share(ell.col_counts, cfg.hot_min_count),
         "fired": fired,
     }
     res = (x, wg, wu, wd, ell_count, ell.cols, ell.vals, ell.col_counts, r, t, plan.rows)
@@ -292,6 +305,7 @@ def _empty_stats(n: int) -> dict[str, jax.Array]:
         "tail_capacity": i32,
         "dense_fallback": i32,
         "hot_neurons": i32,
+        "hot_share": jnp.zeros((), _F32),
         "fired": jnp.zeros((n,), jnp.bool_),
     }
 
@@ -331,6 +345,8 @@ def sparse_gated_mlp_train(
                 full, or an input held a NaN or Inf.
             hot_neurons: int32 scalar, neurons with at least `hot_min_count` ELL
                 entries (their weight gradients run as dense GEMMs).
+            hot_share: fp32 scalar, the hot neurons' share of the ELL entries
+                (`hot_share`; 0 without entries).
             fired: bool [N], neurons positive for at least one token.
 
     Raises:

@@ -106,7 +106,9 @@ def test_twell_matches_dense(variant):
 def _dense_stand_in(x, w_gate, w_up, w_down, *, config):
     """A differentiable stand-in for the sparse training op, scaled to be recognisable."""
     _STAND_IN_CONFIGS.append(config)
-    out, stats = ffn.dense_counted(x, {"w_gate": w_gate, "w_up": w_up, "w_down": w_down})
+    out, stats = ffn.dense_counted(
+        x, dict(w_gate=w_gate, w_up=w_up, w_down=w_down), config.ell_width
+    )
     return 2 * out, stats
 
 

@@ -102,7 +102,33 @@ def test_reinit_changes_only_dead_gating_rows(variant):
 def test_sparse_switch_rechecks_every_k_steps():
     cfg = SparsityConfig(sparse_l0_cutoff=50.0, sparse_recheck_every=20)
     l0 = jnp.array([10.0, 50.0, 80.0])
+    zero = jnp.zeros(3)
     use = jnp.array([False, True, True])
-    np.testing.assert_array_equal(S.next_use_sparse(0, l0, use, cfg), [True, False, False])
-    np.testing.assert_array_equal(S.next_use_sparse(40, l0, use, cfg), [True, False, False])
-    np.testing.assert_array_equal(S.next_use_sparse(7, l0, use, cfg), use)
+    switch = lambda step: S.next_use_sparse(step, l0, zero, zero, use, cfg)
+    np.testing.assert_array_equal(switch(0), [True, False, False])
+    np.testing.assert_array_equal(switch(40), [True, False, False])
+    np.testing.assert_array_equal(switch(7), use)
+
+
+def test_cutoff_moves_with_the_hot_share_between_its_calibrated_shares():
+    cfg = SparsityConfig(sparse_l0_cutoff=57.0, sparse_hot_shift=(0.2, 0.8, 8.0))
+    hot = jnp.array([0.0, 0.2, 0.5, 0.8, 1.0])
+    want = [57.0, 57.0, 61.0, 65.0, 65.0]  # held at the ends
+    np.testing.assert_allclose(S.l0_cutoff(hot, cfg), want, rtol=1e-6)
+
+
+def test_switch_reads_the_hot_share_and_guards_the_tail():
+    cfg = SparsityConfig(sparse_l0_cutoff=57.0, sparse_hot_shift=(0.0, 0.8, 8.0))
+    # l0 60 runs sparse only when skewed; l0 30 runs dense once its heavy rows
+    # overflow the sparse op's dense tail (load above 1: the op would fall back).
+    l0 = jnp.array([60.0, 60.0, 30.0, 30.0, 30.0])
+    hot = jnp.array([0.0, 0.8, 0.0, 0.0, 0.0])
+    tail = jnp.array([0.0, 0.0, 0.5, 1.0, 1.01])
+    got = S.next_use_sparse(0, l0, hot, tail, jnp.zeros(5, bool), cfg)
+    np.testing.assert_array_equal(got, [False, True, True, True, False])
+
+
+@pytest.mark.parametrize("shares", [(0.5, 0.5), (0.5, 0.2), (-0.1, 0.2)])
+def test_hot_shift_shares_must_be_ordered(shares):
+    with pytest.raises(ValueError, match="sparse_hot_shift"):
+        SparsityConfig(sparse_hot_shift=(*shares, 3.0))

@@ -4,6 +4,7 @@ the cache in the workdir and the fallbacks (the timing itself runs on the GPU)."
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 
 from twell_jax import switch_cost
@@ -60,6 +61,53 @@ def test_max_regret_between_sees_the_wrong_side_of_each_patterns_own_crossover()
     assert switch_cost.max_regret_between(both, 8.0) > 0.25
 
 
+def _pattern(crossover_l0, hot_share=0.0, tail_load=0.0):
+    """Fake times crossing at `crossover_l0` (ratio l0 / crossover, exact in log-log),
+    with a constant hot share and tail load."""
+    grid = [2.0, 4.0, 8.0, 16.0, 32.0]
+    ratio = [g / crossover_l0 for g in grid]
+    stats = {"hot_share": [hot_share] * 5, "tail_load": [tail_load] * 5}
+    return {"l0": grid, "dense_ms": [2.0] * 5, "sparse_ms": [2 * r for r in ratio],
+            "ratio": ratio, **stats}  # fmt: skip
+
+
+def test_fit_rule_moves_the_cutoff_with_the_hot_share():
+    per_pattern = {"uniform": _pattern(8.0), "skew": _pattern(12.0, hot_share=0.5)}
+    rule = switch_cost.fit_rule(per_pattern, per_pattern["uniform"]["l0"])
+    assert rule["cutoff"] == pytest.approx(8.0)
+    np.testing.assert_allclose(rule["hot_shift"], [0.0, 0.5, 4.0], rtol=1e-6)
+    # Each pattern gets its own crossover: nothing is decided wrongly, where any one l0
+    # cutoff is wrong for one of the two.
+    sp = switch_cost.rule_config(rule)
+    assert switch_cost.max_regret_between(per_pattern, sp) == pytest.approx(0.0, abs=0.02)
+    for cutoff in (8.0, 12.0):
+        assert switch_cost.max_regret_between(per_pattern, cutoff) > 0.3
+    # A pattern halfway between uniform and skew gets a cutoff halfway (log-linear
+    # ratios make its crossover 10): about right, where the plain cutoff misses by 25%.
+    half = {"mixed": _pattern(10.0, hot_share=0.25)}
+    assert switch_cost.max_regret_between(half, sp) == pytest.approx(0.0, abs=0.02)
+    assert switch_cost.max_regret_between(half, 8.0) == pytest.approx(10 / 8 - 1, rel=0.03)
+
+
+def test_rule_runs_dense_where_the_tail_overflows():
+    """Past a tail load of 1 the sparse op falls back to its dense formula, slower than
+    the dense branch whatever l0 says (here 3x at every point)."""
+    fallback = _pattern(8.0, tail_load=1.5)
+    fallback["sparse_ms"] = [6.0] * 5
+    fallback["ratio"] = [3.0] * 5
+    sp = switch_cost.rule_config({"cutoff": 20.0})
+    assert switch_cost.max_regret({"heavy": fallback}, sp) == pytest.approx(0.0)
+    fits = {**fallback, "tail_load": [0.5] * 5}
+    assert switch_cost.max_regret({"heavy": fits}, sp) == pytest.approx(2.0)
+
+
+def test_fit_rule_without_hot_entries_is_a_plain_cutoff():
+    per_pattern = {"uniform": _pattern(8.0), "skew": _pattern(12.0)}  # no hot entries
+    rule = switch_cost.fit_rule(per_pattern, per_pattern["uniform"]["l0"])
+    assert rule["hot_shift"] == [0.0, 1.0, 0.0]
+    assert switch_cost.rule_config(rule).sparse_l0_cutoff == pytest.approx(8.0)
+
+
 def _sparse_cfg(**sparsity):
     cfg = TrainConfig(model=dataclasses.replace(model_preset("tiny"), ffn_impl="sparse"))
     return dataclasses.replace(cfg, sparsity=dataclasses.replace(cfg.sparsity, **sparsity))
@@ -68,7 +116,8 @@ def _sparse_cfg(**sparsity):
 def _fake_measure(calls):
     def measure(shape):
         calls.append(shape)
-        return {"cutoff": 12.5, "max_regret": 0.01, "shape": dataclasses.asdict(shape)}
+        return {"cutoff": 12.5, "hot_shift": [0.1, 0.6, 3.0], "max_regret": 0.01,
+                "shape": dataclasses.asdict(shape)}  # fmt: skip
 
     return measure
 
@@ -79,6 +128,7 @@ def test_measures_once_then_reads_the_workdir(tmp_path):
     kw = dict(can_measure=True, measure_fn=_fake_measure(calls))
     out = switch_cost.resolve_cutoff(cfg, str(tmp_path), 1024, **kw)
     assert out.sparsity.sparse_l0_cutoff == 12.5
+    assert out.sparsity.sparse_hot_shift == (0.1, 0.6, 3.0)
     assert calls == [switch_cost.LayerShape(1024, 128, 512, cfg.model.sparse_ell_width)]
     saved = json.loads((tmp_path / switch_cost.FILE_NAME).read_text())
     assert list(saved) == [calls[0].key()]
@@ -111,3 +161,24 @@ def test_keeps_the_configured_cutoff(tmp_path, cfg, can_measure):
 def test_bad_switch_name_raises():
     with pytest.raises(ValueError, match="sparse_switch"):
         _sparse_cfg(sparse_switch="fast")
+
+
+@pytest.mark.parametrize("pattern, sigma", [("skew", 1.0), ("heavy_rows", 0.35)])
+def test_both_branches_report_the_shares_the_switch_reads(pattern, sigma):
+    """The sparse op (interpret mode here) and the dense branch count the same hot
+    share and tail load, so the switch's decision does not depend on the branch a
+    layer ran."""
+    from twell_jax import ffn
+    from twell_jax.synthetic import synthetic_mlp
+
+    width = 32
+    x, wg, wu, wd = synthetic_mlp(256, 128, 256, 20.0, seed=3, pattern=pattern, sigma=sigma)
+    w = {"w_gate": wg, "w_up": wu, "w_down": wd}
+    _, sparse = ffn.sparse(x, w, width)
+    _, dense = ffn.dense_counted(x, w, width)
+    for key in ("l0", "hot_share", "tail_load"):
+        assert float(sparse[key]) == pytest.approx(float(dense[key]), abs=0.01), key
+    if pattern == "skew":
+        assert 0.1 < float(dense["hot_share"]) < 1.0
+    else:
+        assert float(dense["tail_load"]) > 0.0

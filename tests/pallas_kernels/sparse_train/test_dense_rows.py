@@ -21,17 +21,29 @@ from tests.pallas_kernels.twell.kernel_cases import integer_mlp
 M, H, N = 40, 64, 128
 
 
+# Rows with more non-zeros than this are counted (the sparse op's ELL width W).
+ROW_LIMIT = 13
+
+
 def whole(x, wg, wu, wd):
-    """(out, sum |h|, non-zeros, fired) of the whole-M dense formula."""
+    """(out, sum |h|, RowCounts) of the whole-M dense formula."""
     hid = gated_hidden(x, wg, wu)
     out = jnp.einsum("mn,nh->mh", hid, wd).astype(x.dtype)
     nz = hid != 0
-    return out, jnp.sum(jnp.abs(hid.astype(jnp.float32))), jnp.sum(nz, dtype=jnp.float32), nz.any(0)
+    l1 = jnp.sum(jnp.abs(hid.astype(jnp.float32)))
+    heavy = jnp.sum(nz, axis=1) > ROW_LIMIT
+    counts = dense_rows.RowCounts(
+        jnp.sum(nz, dtype=jnp.float32),
+        nz.any(0),
+        jnp.sum(nz, axis=0, dtype=jnp.int32),
+        jnp.sum(heavy, dtype=jnp.int32),
+    )
+    return out, l1, counts
 
 
 def loss_of(fn, lam=0.01):
     def loss(x, wg, wu, wd):
-        out, l1, _, _ = fn(x, wg, wu, wd)
+        out, l1, *_ = fn(x, wg, wu, wd)
         return jnp.sum(out.astype(jnp.float32) ** 2) + lam * l1
 
     return loss
@@ -40,9 +52,11 @@ def loss_of(fn, lam=0.01):
 @pytest.mark.parametrize("block_rows", [16, 40, 7])
 def test_integer_inputs_match_whole_m_bitwise(block_rows):
     x, wg, wu, wd = integer_mlp(0, M, H, N, 20.0)
-    blocked = lambda *a: blocked_gated_mlp(*a, block_rows)
-    for got, want in zip(blocked(x, wg, wu, wd), whole(x, wg, wu, wd), strict=True):
+    blocked = lambda *a: blocked_gated_mlp(*a, block_rows, ROW_LIMIT)
+    got_all, want_all = blocked(x, wg, wu, wd), whole(x, wg, wu, wd)
+    for got, want in zip(jax.tree.leaves(got_all), jax.tree.leaves(want_all), strict=True):
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    assert 0 < int(want_all[2].heavy_rows) < M  # both kinds of row are counted
     grads = jax.grad(loss_of(blocked), argnums=(0, 1, 2, 3))(x, wg, wu, wd)
     want = jax.grad(loss_of(whole), argnums=(0, 1, 2, 3))(x, wg, wu, wd)
     for g, w in zip(grads, want, strict=True):
@@ -58,7 +72,7 @@ def test_normal_inputs_match_within_bf16():
     rng = np.random.default_rng(1)
     x, wg, wu, wd = (jnp.asarray(rng.standard_normal(s) * 0.3, jnp.bfloat16)
                      for s in ((M, H), (N, H), (N, H), (N, H)))  # fmt: skip
-    blocked = lambda *a: blocked_gated_mlp(*a, 16)
+    blocked = lambda *a: blocked_gated_mlp(*a, 16, ROW_LIMIT)
     grads = jax.grad(loss_of(blocked), argnums=(1, 2, 3))(x, wg, wu, wd)
     want = jax.grad(loss_of(whole), argnums=(1, 2, 3))(x, wg, wu, wd)
     for g, w in zip(grads, want, strict=True):
@@ -71,10 +85,11 @@ def test_dead_neurons_and_empty_rows():
     of W_gate / W_up (W_down's gradient is zero as h is)."""
     x, wg, wu, wd = integer_mlp(2, M, H, N, 20.0)
     wg = jnp.zeros_like(wg).at[:, 0].set(-1.0)  # x[:, 0] = 1: every pre-activation is -1
-    out, l1, nnz, fired = blocked_gated_mlp(x, wg, wu, wd, 16)
+    out, l1, counts = blocked_gated_mlp(x, wg, wu, wd, 16, ROW_LIMIT)
     assert float(jnp.abs(out.astype(jnp.float32)).max()) == 0.0
-    assert float(l1) == float(nnz) == 0.0 and not bool(fired.any())
-    grads = jax.grad(loss_of(lambda *a: blocked_gated_mlp(*a, 16)), argnums=(1, 2, 3))(
+    assert float(l1) == float(counts.nnz) == 0.0 and int(counts.heavy_rows) == 0
+    assert not bool(counts.fired.any()) and not bool(counts.col_counts.any())
+    grads = jax.grad(loss_of(lambda *a: blocked_gated_mlp(*a, 16, ROW_LIMIT)), argnums=(1, 2, 3))(
         x, wg, wu, wd
     )
     assert all(float(jnp.abs(g.astype(jnp.float32)).max()) == 0.0 for g in grads)

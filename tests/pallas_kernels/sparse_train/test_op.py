@@ -299,7 +299,7 @@ def test_dense_fallback_has_no_while_loop():
     x = jnp.ones((40, 32), jnp.bfloat16)
     w = jnp.ones((64, 32), jnp.bfloat16)
     scale = jnp.ones((), jnp.float32)
-    fwd = jax.jit(lambda *a: dense_rows.dense_forward(*a, 16)).lower(x, w, w, w).as_text()
+    fwd = jax.jit(lambda *a: dense_rows.dense_forward(*a, 16, 8)).lower(x, w, w, w).as_text()
     bwd = jax.jit(lambda *a: dense_rows.dense_backward(*a, 16)).lower(x, x, w, w, w, scale)
     for text in (fwd, bwd.as_text()):
         assert "stablehlo.while" not in text
