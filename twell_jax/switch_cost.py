@@ -245,19 +245,38 @@ def max_regret(per_pattern: dict, rule: SparsityConfig | float) -> float:
     return worst
 
 
+def _ratio_between(rec: dict, fine) -> np.ndarray:
+    """rec's sparse / dense ratio at the log-l0 values `fine`, interpolated linearly in
+    (log l0, log ratio) within each regime of the sparse op: its heavy rows fit the
+    dense tail (tail load <= 1) or it falls back. The fallback is a branch, a step in
+    cost, so the ratio is not interpolated across it (each regime's end value is held
+    up to the step, at the tail load's interpolated crossing of 1)."""
+    log_l0, log_ratio = np.log(rec["l0"]), np.log(rec["ratio"])
+    load = np.asarray(rec.get("tail_load", np.zeros(len(log_l0))))
+    order = np.argsort(log_l0)
+    fine_fits = np.interp(fine, log_l0[order], load[order]) <= 1.0
+    out = np.interp(fine, log_l0[order], log_ratio[order])
+    for fine_mask, point_mask in ((fine_fits, load <= 1.0), (~fine_fits, load > 1.0)):
+        idx = np.flatnonzero(point_mask)
+        if fine_mask.any() and idx.size:
+            idx = idx[np.argsort(log_l0[idx])]
+            out[fine_mask] = np.interp(fine[fine_mask], log_l0[idx], log_ratio[idx])
+    return np.exp(out)
+
+
 def max_regret_between(per_pattern: dict, rule: SparsityConfig | float, points: int = 256) -> float:
     """`max_regret` between the measured points too: each pattern's sparse / dense ratio
-    (and its statistics) interpolated linearly in log l0 (the ratio in log, as `crossover`
-    does), and evaluated at `points` l0 values spaced evenly in log l0 over the measured
-    range. A pattern whose own crossover lies away from the cutoff the rule gives it
-    is decided wrongly between the two, which the measured points alone do not see."""
+    and its statistics interpolated linearly in log l0 (the ratio in log, as `crossover`
+    does, within each regime of the dense tail: `_ratio_between`), and evaluated at
+    `points` l0 values spaced evenly in log l0 over the measured range. A pattern whose
+    own crossover lies away from the cutoff the rule gives it is decided wrongly
+    between the two, which the measured points alone do not see."""
     sp = rule if isinstance(rule, SparsityConfig) else rule_config(rule)
     worst = 0.0
     for rec in per_pattern.values():
         log_l0 = np.log(rec["l0"])
-        order = np.argsort(log_l0)
         fine = np.linspace(log_l0.min(), log_l0.max(), points)
-        ratio = np.exp(np.interp(fine, log_l0[order], np.log(rec["ratio"])[order]))
+        ratio = _ratio_between(rec, fine)
         sparse_chosen = _sparse_chosen(rec, np.exp(fine), sp)
         slower = np.where(sparse_chosen, ratio, 1.0 / ratio)
         worst = max(worst, float(np.max(slower)) - 1.0)

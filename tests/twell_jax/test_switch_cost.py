@@ -101,6 +101,22 @@ def test_rule_runs_dense_where_the_tail_overflows():
     assert switch_cost.max_regret({"heavy": fits}, sp) == pytest.approx(2.0)
 
 
+def test_regret_between_points_keeps_the_fallback_a_step():
+    """Sparse at 0.8x dense while the tail fits (load 0.9 at l0 16), 1.8x once it
+    overflows (load 1.2 at l0 32): between the two the ratio is one or the other, not
+    a ramp, so the guard's switch at load 1 (l0 16 * 2^(1/3) = 20.2) is right
+    everywhere, while a cutoff of 20 runs dense just before the step."""
+    step = _pattern(100.0)
+    step.update(ratio=[0.5, 0.6, 0.7, 0.8, 1.8], tail_load=[0.1, 0.2, 0.4, 0.9, 1.2])
+    step["sparse_ms"] = [2 * r for r in step["ratio"]]
+    fine = np.log([12.0, 19.0, 28.0])  # the tail fits, fits, overflows
+    at_12 = np.exp(np.interp(np.log(12.0), np.log([8.0, 16.0]), np.log([0.7, 0.8])))
+    np.testing.assert_allclose(switch_cost._ratio_between(step, fine), [at_12, 0.8, 1.8])
+    rule = switch_cost.rule_config({"cutoff": 100.0})
+    assert switch_cost.max_regret_between({"heavy": step}, rule) == pytest.approx(0.0, abs=1e-9)
+    assert switch_cost.max_regret_between({"heavy": step}, 20.0) == pytest.approx(0.25)
+
+
 def test_fit_rule_without_hot_entries_is_a_plain_cutoff():
     per_pattern = {"uniform": _pattern(8.0), "skew": _pattern(12.0)}  # no hot entries
     rule = switch_cost.fit_rule(per_pattern, per_pattern["uniform"]["l0"])
