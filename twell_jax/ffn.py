@@ -97,18 +97,24 @@ def sparse(x: jax.Array, w: dict[str, jax.Array], ell_width: int) -> tuple[jax.A
         "l0": stats["l0"].astype(jnp.float32),
         "fired": stats["fired"].astype(bool),
         "hot_share": stats["hot_share"].astype(jnp.float32),
-        "tail_load": tail_load(stats["tail_rows"], x.shape, w["w_gate"].shape[0], ell_width),
+        "tail_load": tail_load(stats["tail_rows"], _op_limits(x, w, ell_width)[1]),
         **{k: stats[k].astype(jnp.int32) for k in SPARSE_COUNTERS},
     }
 
 
-def tail_load(tail_rows: jax.Array, x_shape, n: int, ell_width: int) -> jax.Array:
-    """fp32: rows past the ELL width over the sparse op's largest dense-tail capacity
-    for x [M, H] (`SparseTrainConfig.tail_capacities`); above 1 the op falls back to
-    its dense formula. What the per-layer switch reads as a layer's heavy rows."""
-    m, h = x_shape
+def _op_limits(x: jax.Array, w: dict[str, jax.Array], ell_width: int) -> tuple[int, int]:
+    """(hot_min_count, largest dense-tail capacity) of the sparse op for x [M, H] and
+    weights [N, H] at ELL width `ell_width` (`resolve_config`), static ints."""
+    (m, h), n = x.shape, w["w_up"].shape[0]
     config = pallas_kernels.SparseTrainConfig(ell_width=ell_width)
-    capacity = max(resolve_config(m, h, n, config).tail_capacities[-1], 1)
+    resolved = resolve_config(m, h, n, config)
+    return resolved.hot_min_count, max(resolved.tail_capacities[-1], 1)
+
+
+def tail_load(tail_rows: jax.Array, capacity: int) -> jax.Array:
+    """fp32: rows past the ELL width over the sparse op's largest dense-tail capacity
+    (`_op_limits`); above 1 the op falls back to its dense formula. What the per-layer
+    switch reads as a layer's heavy rows."""
     return tail_rows.astype(jnp.float32) / capacity
 
 
@@ -139,15 +145,14 @@ def dense_counted(x: jax.Array, w: dict[str, jax.Array], ell_width: int) -> tupl
     out, l1_sum, counts = pallas_kernels.blocked_gated_mlp(
         x, w["w_gate"], w["w_up"], w["w_down"], DENSE_BRANCH_BLOCK_ROWS, ell_width
     )
-    m, h = x.shape
-    config = pallas_kernels.SparseTrainConfig(ell_width=ell_width)
-    hot_min = resolve_config(m, h, counts.col_counts.shape[0], config).hot_min_count
+    m = x.shape[0]
+    hot_min, capacity = _op_limits(x, w, ell_width)
     stats = {
         "l1": l1_sum / m,
         "l0": counts.nnz / m,
         "fired": counts.fired,
         "hot_share": hot_share(counts.col_counts, hot_min),
-        "tail_load": tail_load(counts.heavy_rows, x.shape, counts.col_counts.shape[0], ell_width),
+        "tail_load": tail_load(counts.heavy_rows, capacity),
     }
     return out, {**stats, **{k: jnp.zeros((), jnp.int32) for k in SPARSE_COUNTERS}}
 

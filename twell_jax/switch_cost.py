@@ -1,18 +1,19 @@
-"""The per-layer switch's cutoff from measured costs (docs/design.md §7.1).
+"""The per-layer switch's rule from measured costs (docs/design.md §7.1).
 
 A layer with ffn_impl="sparse" runs the sparse training op while its l0 is below its
-cutoff. Where sparse beats dense depends on the layer's shape (at H = 768, N = 2048
-the sparse step is slower than dense above l0 of a few, at H = 2048, N = 5632 it wins
-up to l0 of about 60) and on the activation pattern: hot neurons make the sparse step
-cheaper (they take a dense block), heavy rows dearer (they take the dense tail). So
-the rule is measured, not guessed: for the run's per-device FFN shape, the FFN forward
-and backward of both branches of the model's switch are timed on synthetic gates of
-each pattern of `synthetic.PATTERNS` over a grid of l0 values. The uniform pattern's
-crossover (log-linear interpolation between grid points) is the base cutoff; the
-skewed and heavy-row patterns' crossovers give how far a layer's hot-neuron share and
-tail-row share move it (`fit_rule`, `sparsity.l0_cutoff`). The measurement runs once
-per (device, shape, config) and is kept in the workdir (`FILE_NAME`), so a resumed
-run takes the same decisions.
+cutoff and its heavy rows fit the op's dense tail (`sparsity.sparse_wins`). Where
+sparse beats dense depends on the layer's shape (at H = 768, N = 2048 the crossover
+is near l0 27, at H = 2048, N = 5632 near 68 on an H200) and on the activation
+pattern: hot neurons make the sparse step cheaper (they take a dense block), and heavy
+rows past the tail's capacity make the op fall back to dense. So the rule is
+measured, not guessed: for the run's per-device FFN shape, the FFN forward and
+backward of both branches of the model's switch are timed on synthetic gates of each
+pattern of `synthetic.PATTERNS` over a grid of l0 values. The uniform pattern's
+crossover (log-linear interpolation between grid points) is the base cutoff, and the
+skewed pattern's crossover gives how far a layer's hot-neuron share moves it
+(`fit_rule`, `sparsity.l0_cutoff`). The measurement runs once per (device, shape,
+config) and is kept in the workdir (`FILE_NAME`), so a resumed run takes the same
+decisions.
 """
 
 from __future__ import annotations
@@ -177,11 +178,13 @@ def measure(
     return result
 
 
-def _stat_at(rec: dict, key: str, l0: float) -> float:
-    """rec[key] interpolated at `l0`, linearly in log l0 (held flat past the ends)."""
+def _stat_at(rec: dict, key: str, l0):
+    """rec[key] interpolated at `l0` (a float or an array), linearly in log l0 (held
+    flat past the ends)."""
     log_l0 = np.log(rec["l0"])
     order = np.argsort(log_l0)
-    return float(np.interp(math.log(max(l0, 1e-6)), log_l0[order], np.asarray(rec[key])[order]))
+    at = np.log(np.maximum(l0, 1e-6))
+    return np.interp(at, log_l0[order], np.asarray(rec[key])[order])
 
 
 def fit_rule(per_pattern: dict, grid) -> dict:
@@ -205,15 +208,18 @@ def fit_rule(per_pattern: dict, grid) -> dict:
     uniform, skew = per_pattern["uniform"], per_pattern.get("skew")
     shift = list(_NO_SHIFT)
     if skew is not None and "hot_share" in skew and "hot_share" in uniform:
-        low = max(_stat_at(uniform, "hot_share", base), 0.0)
-        high = _stat_at(skew, "hot_share", cutoffs["skew"])
+        low = max(float(_stat_at(uniform, "hot_share", base)), 0.0)
+        high = float(_stat_at(skew, "hot_share", cutoffs["skew"]))
         if high > low:
             shift = [low, high, cutoffs["skew"] - base]
     return {"cutoff": base, "hot_shift": shift, "cutoffs": cutoffs}
 
 
-def rule_config(rule: dict | float) -> SparsityConfig:
-    """A SparsityConfig deciding as `rule` (`fit_rule`'s keys, or a plain l0 cutoff)."""
+def rule_config(rule: SparsityConfig | dict | float) -> SparsityConfig:
+    """A SparsityConfig deciding as `rule` (one already, `fit_rule`'s keys, or a plain
+    l0 cutoff)."""
+    if isinstance(rule, SparsityConfig):
+        return rule
     if not isinstance(rule, dict):
         return SparsityConfig(sparse_l0_cutoff=float(rule))
     hot_shift = tuple(rule.get("hot_shift", _NO_SHIFT))
@@ -223,18 +229,19 @@ def rule_config(rule: dict | float) -> SparsityConfig:
 def _sparse_chosen(rec: dict, l0_values, sp: SparsityConfig) -> np.ndarray:
     """bool [len(l0_values)]: where the rule runs the sparse kernels on a pattern whose
     statistics vary with l0 as measured in `rec` (none recorded: 0)."""
+    l0_values = np.asarray(l0_values)
     stats = [
-        np.asarray([_stat_at(rec, key, l0) if key in rec else 0.0 for l0 in l0_values])
+        _stat_at(rec, key, l0_values) if key in rec else np.zeros(l0_values.shape)
         for key in ("hot_share", "tail_load")
     ]
-    return np.asarray(sparsity.sparse_wins(np.asarray(l0_values), *stats, sp))
+    return np.asarray(sparsity.sparse_wins(l0_values, *stats, sp))
 
 
 def max_regret(per_pattern: dict, rule: SparsityConfig | float) -> float:
     """How much slower than the faster branch the switch runs at worst, over the
     measured patterns and l0 values (0.05: 5% slower), with `rule` (a SparsityConfig or
     a plain l0 cutoff) deciding."""
-    sp = rule if isinstance(rule, SparsityConfig) else rule_config(rule)
+    sp = rule_config(rule)
     worst = 0.0
     for rec in per_pattern.values():
         chosen_sparse = _sparse_chosen(rec, rec["l0"], sp)
@@ -271,7 +278,7 @@ def max_regret_between(per_pattern: dict, rule: SparsityConfig | float, points: 
     `points` l0 values spaced evenly in log l0 over the measured range. A pattern whose
     own crossover lies away from the cutoff the rule gives it is decided wrongly
     between the two, which the measured points alone do not see."""
-    sp = rule if isinstance(rule, SparsityConfig) else rule_config(rule)
+    sp = rule_config(rule)
     worst = 0.0
     for rec in per_pattern.values():
         log_l0 = np.log(rec["l0"])

@@ -145,9 +145,8 @@ _SHARDED = textwrap.dedent("""
     # Kernel FFNs run per batch shard: a dense stand-in for the sparse op must give the
     # dense model's outputs and statistics, with counters summed over the 8 shards.
     def stand_in(x, w_gate, w_up, w_down, *, config):
-        out, stats = ffn.dense_counted(
-        x, dict(w_gate=w_gate, w_up=w_up, w_down=w_down), config.ell_width
-    )
+        weights = {"w_gate": w_gate, "w_up": w_up, "w_down": w_down}
+        out, stats = ffn.dense_counted(x, weights, config.ell_width)
         return out, {**stats, "tail_rows": jnp.ones((), jnp.int32)}
 
     pallas_kernels.sparse_gated_mlp_train = stand_in
