@@ -55,8 +55,11 @@ class DecodeConfig:
     row_products_max_m: for M up to this, the firing neurons' products are per-row
       CUDA-core dot products over whole rows of W_up and W_down, `row_group` neurons
       at a time: one gather round trip per group, where the tensor-core tiles pad M
-      to 16 rows and loop over H. Larger M uses the tiles (per-row products cost more
-      than the round trips they save by M = 8; docs/performance_notes.md, "Decode").
+      to 16 rows and loop over H. Each token row adds ~1.5 us to a block's program,
+      so larger M uses the tiles (even at M = 4, twice their cost at M = 8;
+      docs/performance_notes.md, "Decode").
+    row_warps: gate_up_down's warps where the row products run (gate_warps otherwise):
+      the whole [row_group, H] rows and the M rows of x held in registers.
     """
 
     block_n: int = 64
@@ -67,13 +70,14 @@ class DecodeConfig:
     gate_stages: int = 4
     reduce_h: int = 64
     reduce_warps: int = 4
-    row_products_max_m: int = 1
+    row_products_max_m: int = 4
     row_group: int = 4
+    row_warps: int = 8
 
     def unsupported(self, h: int, n: int) -> str | None:
         """Why these launches cannot run d_model H and d_ff N, or None."""
         fields = ("block_n", "block_k", "group", "block_h", "reduce_h", "gate_warps",
-                  "reduce_warps", "row_group")  # fmt: skip
+                  "reduce_warps", "row_group", "row_warps")  # fmt: skip
         for field in fields:
             if not tr.is_pow2(getattr(self, field)):
                 return f"DecodeConfig.{field}={getattr(self, field)} must be a power of two"
@@ -233,11 +237,17 @@ def _fire_by_rows(x_ref, wu_ref, wd_ref, part_ref, g, active, slot, n_active, *,
     for each token row r the up products x_r . Wu[id] and the share sum_id h[r, id]
     Wd[id] as CUDA-core products (M is small; nothing is padded).
 
+    The rows of x and of the block's gate are taken once per block, before the groups:
+    a load inside the row loop would wait on memory once per row (the reductions'
+    barriers keep the compiler from issuing the next row's load early).
+
     g: bf16 [Mp, block_n] gate of the block; active, slot: int32 [block_n] (1 where a
     lane fires; its rank among the active lanes); n_active: int32 scalar."""
     m, h = x_ref.shape
     rows, cols = tr.iota(g.shape[0]), tr.iota(h)
     g32 = g.astype(_F32)
+    x_rows = [tr.load(x_ref.at[r, cols]) for r in range(m)]  # bf16 [H] each
+    g_rows = [jnp.sum(jnp.where(rows[:, None] == r, g32, 0), axis=0) for r in range(m)]
 
     def one_group(q, carry):
         onehot, ok, ids = _group_lanes(q, group, slot, active, n_active, j)
@@ -247,10 +257,8 @@ def _fire_by_rows(x_ref, wu_ref, wd_ref, part_ref, g, active, slot, n_active, *,
         # wu / wd stay bf16 (half the registers of [group, H] fp32 tiles); the
         # products convert them per row
         for r in range(m):
-            x_r = tr.load(x_ref.at[r, cols]).astype(_F32)
-            u = jnp.sum(wu.astype(_F32) * x_r[None, :], axis=1)  # [group] fp32
-            g_r = jnp.sum(jnp.where(rows[:, None] == r, g32, 0), axis=0)  # row r of g
-            g_ids = jnp.sum(jnp.where(onehot, g_r[None, :], 0), axis=1)  # exact: one term
+            u = jnp.sum(wu.astype(_F32) * x_rows[r].astype(_F32)[None, :], axis=1)  # [group]
+            g_ids = jnp.sum(jnp.where(onehot, g_rows[r][None, :], 0), axis=1)  # exact: one term
             hv = (g_ids * u.astype(_BF16).astype(_F32)).astype(_BF16).astype(_F32)
             share = jnp.sum(hv[:, None] * wd.astype(_F32), axis=0)  # [H] fp32
             dst = part_ref.at[j, r, cols]
@@ -272,10 +280,12 @@ def gate_up_down(x, w_gate, w_up, w_down, cfg: DecodeConfig, *, interpret: bool)
     mp = padded_rows(m)
     block_k = _fit_block_k(cfg, mp)
     nb = n // cfg.block_n
+    row_group = _row_group(cfg, m)
     kernel = functools.partial(
         _gate_up_down_kernel, mp=mp, block_n=cfg.block_n, block_k=block_k, group=cfg.group,
-        block_h=_fit_block_h(cfg, mp), row_group=_row_group(cfg, m),
+        block_h=_fit_block_h(cfg, mp), row_group=row_group,
     )  # fmt: skip
+    warps = cfg.row_warps if row_group else cfg.gate_warps
     out = tr.pallas_call(
         kernel,
         out_shape=(
@@ -285,7 +295,7 @@ def gate_up_down(x, w_gate, w_up, w_down, cfg: DecodeConfig, *, interpret: bool)
             jax.ShapeDtypeStruct((h // block_k, mp), jnp.int32),
         ),
         grid=(nb,),
-        compiler_params=tr.compiler_params(cfg.gate_warps, cfg.gate_stages),
+        compiler_params=tr.compiler_params(warps, cfg.gate_stages),
         interpret=interpret,
         name="decode_gate_up_down",
     )(x, w_gate, w_up, w_down)

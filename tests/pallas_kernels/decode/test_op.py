@@ -29,8 +29,8 @@ H, N = 128, 512
 # pieces (8) than neuron blocks (4), so some programs check two pieces of x, and up to
 # 8 up groups per block.
 SMALL = DecodeConfig(block_n=32, block_k=64, block_h=64, reduce_h=64)
-# SMALL_GROUPS also takes its firing neurons 2 at a time where M <= 8 (row products);
-# TILES runs the tensor-core firing phase at every M (M = 1 is where it differs).
+# SMALL_GROUPS also takes its firing neurons 2 at a time where M <= 4 (row products);
+# TILES runs the tensor-core firing phase at every M (M <= 4 is where it differs).
 SMALL_GROUPS = DecodeConfig(block_n=128, block_k=16, group=16, block_h=32, reduce_h=32, row_group=2)
 TILES = dataclasses.replace(SMALL, row_products_max_m=0)
 IMPLS = [
@@ -118,10 +118,12 @@ def test_random_sparse_inputs_match_dense(impl, m):
 @pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("cfg", [SMALL, TILES], ids=["row_products", "tiles"])
 @pytest.mark.parametrize("k", [1, 3, 4, 5, 17, 48], ids=lambda k: f"k{k}")
-def test_both_firing_phases_at_one_token(backend, cfg, k):
-    """M = 1 through the row products (groups of 4: k around their edges) and through
-    the tensor-core tiles, exact on integer inputs."""
-    x, wg, wu, wd = controlled_mlp(5, first_k_active(1, N, k))
+@pytest.mark.parametrize("m", [1, 3, 4])
+def test_both_firing_phases_at_few_tokens(backend, cfg, k, m):
+    """M <= 4 through the row products (groups of 4: k around their edges; a later
+    group adds to the share of the earlier ones) and through the tensor-core tiles,
+    exact on integer inputs."""
+    x, wg, wu, wd = controlled_mlp(5, first_k_active(m, N, k))
     out, stats = run((backend, cfg), x, wg, wu, wd)
     assert int(stats.active_neurons) == k and int(stats.dense_fallback) == 0
     assert_exact(out, x, wg, wu, wd)
@@ -256,12 +258,14 @@ def test_auto_runs_xla_off_the_gpu_and_for_fp32():
     ("m", "cfg"),
     [
         (1, DecodeConfig()),
+        (3, DecodeConfig()),
         (8, DecodeConfig()),
         (64, DecodeConfig()),
     ],
 )
 def test_cross_lowers_for_cuda_at_production_shape(m, cfg):
-    """H = 2048, N = 5632, the default launches: both kernels lower to Triton."""
+    """H = 2048, N = 5632, the default launches (row products at M = 1 and 3, tiles
+    above): both kernels lower to Triton."""
     x = jnp.zeros((m, 2048), jnp.bfloat16)
     w = jnp.zeros((5632, 2048), jnp.bfloat16)
     fn = lambda *a: pk.sparse_decode_mlp(*a, impl="pallas", config=cfg, max_tokens=64)
@@ -292,7 +296,7 @@ def test_launch_sizes_shrink_to_fit_shared_memory():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 8, 24, 33, 64])
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 24, 33, 64])
 @pytest.mark.parametrize("pattern", ["uniform", "skew"])
 def test_gpu_production_shape(m, pattern):
     """H = 2048, N = 5632, ~29 positives per row, the defaults: the bf16 rule."""
