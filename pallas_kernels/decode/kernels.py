@@ -56,8 +56,7 @@ class DecodeConfig:
       CUDA-core dot products over whole rows of W_up and W_down, `row_group` neurons
       at a time: one gather round trip per group, where the tensor-core tiles pad M
       to 16 rows and loop over H. Each token row adds ~1.5 us to a block's program,
-      so larger M uses the tiles (even at M = 4, twice their cost at M = 8;
-      docs/performance_notes.md, "Decode").
+      so above M = 4 the tiles are faster (docs/performance_notes.md, "Decode").
     row_warps: gate_up_down's warps where the row products run (gate_warps otherwise):
       the whole [row_group, H] rows and the M rows of x held in registers.
     """
