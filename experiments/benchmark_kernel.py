@@ -86,6 +86,7 @@ def kernel_case(m: int, nnz: float, bench: KernelBench) -> dict:
     r["max_tile_count"] = int(stats_g.max_tile_count)
     r["overflow_tiles"] = int(stats_g.overflow_tiles)
     r["heavy_rows"] = int(stats_g.heavy_rows)
+    r["tail_rows"] = int(stats_g.tail_rows)
     r["d2t_gate_mismatches_first4096"] = gate_mismatch
     r["dense_gated_ms"] = timed(dense_gated, x, wg, wu, wd)
     r["gate_gemm_ms"] = timed(gate_gemm, x, wg)

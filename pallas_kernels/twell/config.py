@@ -34,14 +34,20 @@ class PackConfig:
 
 @dataclasses.dataclass(frozen=True)
 class T2DConfig:
-    """Launches of the TwELL SDDMM (gated only) and SpMM kernels of the T2D stage.
+    """Launches of the TwELL SDDMM (gated only) and SpMM kernels of the T2D stage, and
+    which rows they leave to the dense tail.
 
     Each `RowLaunch` gives the entries gathered per step, the warps per program and
     the H block (fitted to H); num_stages is Triton's pipelining depth. The defaults
     are the fastest launches measured (docs/performance_notes.md, "T2D SDDMM and
-    SpMM").
+    SpMM"). Long rows: one with more than max(tail_row_min_entries, tail_row_factor
+    x 2^k x the call's mean l0) entries goes to the dense tail with the heavy rows,
+    at the lowest k (0..3) at which they fit it (`heavy_rows.tail_rows`);
+    tail_row_factor 0 leaves every row that did not overflow to the kernels.
     """
 
     sddmm: RowLaunch = RowLaunch(group=2, num_warps=1, block_h=1024)
     spmm: RowLaunch = RowLaunch(group=4, num_warps=1, block_h=1024)
     num_stages: int = 1
+    tail_row_factor: float = 2.0
+    tail_row_min_entries: int = 64

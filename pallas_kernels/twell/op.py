@@ -53,12 +53,15 @@ class TwellStats(NamedTuple):
     heavy_rows: int32 rows with a tile past capacity: computed by the dense formula in
       a tail while they fit its largest bucket (`heavy_rows`), else recomputed tile by
       tile inside the SpMM.
+    tail_rows: int32 rows the dense tail computed: the heavy rows and the long ones
+      (`T2DConfig.tail_row_factor`); 0 when the heavy rows did not fit it.
     """
 
     nnz_per_row: jax.Array
     max_tile_count: jax.Array
     overflow_tiles: jax.Array
     heavy_rows: jax.Array
+    tail_rows: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +117,9 @@ def _sparse_forward(x, weights, opts: TwellOptions):
     )
     with jax.named_scope("twell_heavy_rows"):
         slots = fmt.slots_per_tile(opts.compression)
-        bucket, rows, caps = heavy_rows.plan(counts, slots)
+        bucket, rows, caps = heavy_rows.plan(
+            counts, slots, opts.t2d.tail_row_factor, opts.t2d.tail_row_min_entries
+        )
         packed = heavy_rows.clear(packed, rows, slots)
     out = t2d(
         x,
@@ -153,14 +158,19 @@ def _twell_apply_bwd(opts, residuals, cotangents):
 _twell_apply.defvjp(_twell_apply_fwd, _twell_apply_bwd)
 
 
-def _stats(counts: jax.Array, m: int, slots: int) -> TwellStats:
+def _stats(counts: jax.Array, slots: int, cfg: T2DConfig) -> TwellStats:
     """TwellStats of the tile counts of M rows, int32 [N / 256, M]."""
-    m = max(m, 1)
+    m = counts.shape[1]
+    in_tail = jnp.sum(
+        heavy_rows.tail_rows(counts, slots, cfg.tail_row_factor, cfg.tail_row_min_entries),
+        dtype=jnp.int32,
+    )
     return TwellStats(
-        nnz_per_row=jnp.sum(counts, dtype=jnp.float32) / m,
+        nnz_per_row=jnp.sum(counts, dtype=jnp.float32) / max(m, 1),
         max_tile_count=jnp.max(counts, initial=0),
         overflow_tiles=jnp.sum(counts >= slots, dtype=jnp.int32),
         heavy_rows=jnp.sum(heavy_rows.heavy(counts, slots), dtype=jnp.int32),
+        tail_rows=jnp.where(in_tail <= max(heavy_rows.capacities(m)), in_tail, 0),
     )
 
 
@@ -176,7 +186,7 @@ def _run(x, weights, opts: TwellOptions, return_stats: bool):
         out = out.reshape(*lead, h)
     if not return_stats:
         return out
-    return out, _stats(counts, x2d.shape[0], fmt.slots_per_tile(opts.compression))
+    return out, _stats(counts, fmt.slots_per_tile(opts.compression), opts.t2d)
 
 
 def twell_gated_mlp(

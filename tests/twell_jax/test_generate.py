@@ -170,7 +170,7 @@ def _record_twell_calls(monkeypatch) -> list:
         calls.append(x.shape)
         out, _ = ffn.dense(x, {"w_gate": w_gate, "w_up": w_up, "w_down": w_down}, "gated_relu")
         zero = jnp.zeros((), jnp.int32)
-        return out, pallas_kernels.TwellStats(jnp.zeros((), jnp.float32), zero, zero, zero)
+        return out, pallas_kernels.TwellStats(jnp.zeros((), jnp.float32), zero, zero, zero, zero)
 
     monkeypatch.setattr(pallas_kernels, "twell_gated_mlp", stand_in)
     return calls

@@ -61,6 +61,53 @@ def test_heavy_rows_exact_in_the_tail_and_past_it(interpret, gated, n_heavy, tai
         np.testing.assert_array_equal(np.asarray(rows)[:n_heavy], np.arange(n_heavy) * 5)
 
 
+def _row_counts(totals_per_tile):
+    """int32 [N / 256, M] tile counts from a list of per-row [tile counts]."""
+    return jnp.asarray(np.asarray(totals_per_tile, np.int32).T)
+
+
+def test_tail_rows_take_long_rows_at_the_lowest_threshold_that_fits():
+    """M = 64 (one capacity, 8 rows); factor 2, floor 8: thresholds 2, 4, 8, 16 x mean."""
+    from pallas_kernels.twell import heavy_rows
+
+    tail = lambda c, f=2.0: np.flatnonzero(np.asarray(heavy_rows.tail_rows(c, 32, f, 8)))
+    # 4 rows of 40 among rows of 2 (mean 4.4): the first threshold (9) takes them.
+    rows = [[20, 20]] * 4 + [[1, 1]] * 60
+    np.testing.assert_array_equal(tail(_row_counts(rows)), [0, 1, 2, 3])
+    np.testing.assert_array_equal(tail(_row_counts(rows), f=0.0), [])
+    # 12 rows of 40 do not fit 8; at 4 x mean (50) only the two rows of 100 pass.
+    rows = [[20, 20]] * 12 + [[31, 31], [31, 31]] + [[1, 1]] * 50
+    np.testing.assert_array_equal(tail(_row_counts(rows)), [12, 13])
+    # A heavy row (a tile of 32) is taken at every threshold, the floor holds: rows of
+    # 6 among rows of 0 are not long although they pass 2 x mean.
+    rows = [[32, 0]] + [[3, 3]] * 5 + [[0, 0]] * 58
+    np.testing.assert_array_equal(tail(_row_counts(rows)), [0])
+    # 10 heavy rows do not fit: heavy rows alone (the in-kernel recompute takes them).
+    rows = [[32, 0]] * 10 + [[20, 20]] * 2 + [[1, 1]] * 52
+    np.testing.assert_array_equal(tail(_row_counts(rows)), np.arange(10))
+
+
+@pytest.mark.parametrize("interpret", INTERPRET_AND_GPU)
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("factor", [2.0, 0.0], ids=["long_rows_in_tail", "off"])
+def test_long_rows_exact_in_the_tail(interpret, gated, factor):
+    """Four rows with 36-52 entries and no overflowed tile among rows of 0-6, odd M = 63:
+    with the floor at 16 the tail takes exactly them (tail_rows 4, heavy_rows 0), and
+    the output is the dense one either way."""
+    x, ws, wu, wd = integer_mlp(5, 63, 128, 512, 60.0)
+    x = x.at[jnp.arange(4) * 7, 0].set(0.5)  # halves those rows' -60 bias
+    counts = np.asarray(_tile_counts(x, ws))
+    assert counts.max() < 32 and (counts.sum(0)[::7][:4] > 16).all()
+    weights = (ws, wu, wd) if gated else (ws, wd)
+    op = pk.twell_gated_mlp if gated else pk.twell_mlp
+    cfg = pk.T2DConfig(tail_row_factor=factor, tail_row_min_entries=16)
+    out, stats = op(x, *weights, impl=_impl(interpret), return_stats=True, t2d_config=cfg)
+    want = reference.gated_mlp(x, *weights) if gated else reference.mlp(x, *weights)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
+    assert int(stats.heavy_rows) == 0
+    assert int(stats.tail_rows) == (4 if factor else 0)
+
+
 def _tile_counts(x, w_sparse):
     """int32 [N / 256, M]: true positives per (row, tile), as the pack writes them."""
     gate = reference.hidden(x, w_sparse)
@@ -71,9 +118,9 @@ def _tile_counts(x, w_sparse):
 def test_heavy_row_capacities():
     from pallas_kernels.twell import heavy_rows
 
-    assert heavy_rows.capacities(16384) == (0, 128, 512, 2048)
+    assert heavy_rows.capacities(16384) == (0, 128, 256, 512, 1024, 2048)
     assert heavy_rows.capacities(5) == (0, 5)
-    assert heavy_rows.capacities(1000) == (0, 8, 32, 125)
+    assert heavy_rows.capacities(1000) == (0, 8, 16, 32, 63, 125)
 
 
 @pytest.mark.parametrize("interpret", INTERPRET_AND_GPU)
