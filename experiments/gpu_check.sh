@@ -70,11 +70,11 @@ for what in "${@:-all}"; do
           --capture_layers=0,3,6,9,11 --reps=20 --out="$OUT/train_captured_125m_l1_$lam.json" \
           || status=1
       done ;;
-    heavy)  # the inference MLP under heavy-tailed rows, at the default C = 8 and at C = 2
-      for c in 8 2; do
-        python3 -m experiments.benchmark --mode=kernel --pattern=heavy_rows --pattern_sigma=0.35 \
-          --tokens=16384,65536 --nnz=29 --sweep_nnz= --reps=15 --compression="$c" \
-          --out="$OUT/kernel_heavy_rows_c${c}_h200.json" || status=1
+    heavy)  # the inference MLP under heavy-tailed rows at the default C = 8, uniform beside it
+      for p in heavy_rows uniform; do
+        python3 -m experiments.benchmark --mode=kernel --pattern="$p" --pattern_sigma=0.35 \
+          --tokens=4096,16384,65536 --nnz=29 --sweep_nnz= --reps=15 --compression=8 \
+          --out="$OUT/kernel_${p}_c8_long_rows_h200.json" || status=1
       done ;;
     decode)  # the FFN at decode sizes on two patterns, then 1.5B generation
       for p in uniform skew; do
