@@ -79,18 +79,18 @@ def tail_rows(counts: jax.Array, slots: int, factor: float, min_entries: int) ->
 
 
 def plan(
-    counts: jax.Array, slots: int, long_factor: float = 0.0, long_min_entries: int = 0
+    counts: jax.Array, slots: int, factor: float = 0.0, min_entries: int = 0
 ) -> tuple[jax.Array, jax.Array, tuple[int, ...]]:
     """(bucket int32, rows int32 [C_max], caps) for a call's tile counts.
 
     bucket indexes `caps` (the smallest capacity >= the number of tail rows,
-    `tail_rows`), or is len(caps) when there are more heavy rows than the largest
-    capacity; rows lists the tail rows ascending, padded with M, when the bucket has a
-    tail, else all M.
+    `tail_rows` with factor and min_entries), or is len(caps) when there are more
+    heavy rows than the largest capacity; rows lists the tail rows ascending, padded
+    with M, when the bucket has a tail, else all M.
     """
     m = counts.shape[1]
     caps = capacities(m)
-    in_tail = tail_rows(counts, slots, long_factor, long_min_entries)
+    in_tail = tail_rows(counts, slots, factor, min_entries)
     n = jnp.sum(in_tail, dtype=jnp.int32)
     bucket = jnp.sum(n > jnp.asarray(caps, jnp.int32), dtype=jnp.int32)
     c_max = caps[-1]
