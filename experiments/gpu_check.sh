@@ -70,9 +70,10 @@ for what in "${@:-all}"; do
           --capture_layers=0,3,6,9,11 --reps=20 --out="$OUT/train_captured_125m_l1_$lam.json" \
           || status=1
       done ;;
-    heavy)  # the inference MLP under heavy-tailed rows at the default C = 8, uniform beside it
-      for p in heavy_rows uniform; do
-        python3 -m experiments.benchmark --mode=kernel --pattern="$p" --pattern_sigma=0.35 \
+    heavy)  # the inference MLP under heavy-tailed rows at the default C = 8, uniform and skew beside it
+      for p in heavy_rows uniform skew; do
+        sigma=0.35; [ "$p" = skew ] && sigma=1.0
+        python3 -m experiments.benchmark --mode=kernel --pattern="$p" --pattern_sigma="$sigma" \
           --tokens=4096,16384,65536 --nnz=29 --sweep_nnz= --reps=15 --compression=8 \
           --out="$OUT/kernel_${p}_c8_long_rows_h200.json" || status=1
       done ;;
