@@ -75,7 +75,7 @@ for what in "${@:-all}"; do
         sigma=0.35; [ "$p" = skew ] && sigma=1.0
         python3 -m experiments.benchmark --mode=kernel --pattern="$p" --pattern_sigma="$sigma" \
           --tokens=4096,16384,65536 --nnz=29 --sweep_nnz= --reps=15 --compression=8 \
-          --out="$OUT/kernel_${p}_c8_long_rows_h200.json" || status=1
+          --out="$OUT/kernel_${p}_c8_tail_gate_rows_h200.json" || status=1
       done ;;
     decode)  # the FFN at decode sizes on two patterns, then 1.5B generation
       for p in uniform skew; do

@@ -8,8 +8,9 @@ C = 8 overflowed 339 tiles at M = 16384 and ran at 0.22x dense (docs/results.md,
 "TwELL inference under heavy-tailed rows"). Here a call's heavy rows (any tile past
 capacity) instead get a count of 0 in every tile of the packed gate, so the T2D
 kernels see empty rows, and run through the dense formula on a [C, H] gather, C a
-static capacity picked on the device (`lax.switch`) from a few buckets. More heavy
-rows than the largest bucket keep the in-kernel recompute.
+static capacity picked on the device (`lax.switch`) from a few buckets; the tail takes
+their gate rows from the call's gate GEMM output, so it runs only the up and down
+products. More heavy rows than the largest bucket keep the in-kernel recompute.
 
 Long rows join the tail too. The T2D kernels give each row to one program, so a row
 walks its entries one group (one L2 round trip) at a time, and a row with hundreds of
@@ -110,19 +111,21 @@ def clear(packed: jax.Array, rows: jax.Array, slots: int) -> jax.Array:
     return packed.at[rows[:, None], heads[None, :]].set(0, mode="drop")
 
 
-def _tail(cap: int, x, weights, rows, high_precision: bool):
-    """The dense formula on the first `cap` listed rows, padded to [C_max, H]."""
+def _tail(cap: int, x, gate, weights, rows, high_precision: bool):
+    """The dense formula on the first `cap` listed rows, padded to [C_max, H]; their
+    gate rows come from the call's gate GEMM, not a second one."""
     c_max = rows.shape[0]
     if cap == 0:
         return jnp.zeros((c_max, x.shape[1]), x.dtype)
-    x_t = x.at[rows[:cap]].get(mode="fill", fill_value=0)
-    out_t, _ = reference.dense_forward(x_t, weights, high_precision=high_precision)
+    take = lambda a: a.at[rows[:cap]].get(mode="fill", fill_value=0)
+    out_t = reference.from_gate(take(x), take(gate), weights, high_precision=high_precision)
     return jnp.pad(out_t, ((0, c_max - cap), (0, 0)))
 
 
-def add_tail(out, x, weights, bucket, rows, caps, *, high_precision: bool) -> jax.Array:
-    """out with the listed rows replaced by the dense formula's (`plan`'s bucket)."""
+def add_tail(out, x, gate, weights, bucket, rows, caps, *, high_precision: bool) -> jax.Array:
+    """out with the listed rows replaced by the dense formula's (`plan`'s bucket); gate
+    is the call's relu(x W0^T), bf16 [M, N]."""
     tails = [functools.partial(_tail, cap, high_precision=high_precision) for cap in caps]
     tails.append(functools.partial(_tail, 0, high_precision=high_precision))  # in-kernel
-    out_t = lax.switch(bucket, tails, x, weights, rows)
+    out_t = lax.switch(bucket, tails, x, gate, weights, rows)
     return out.at[rows].set(out_t, mode="drop")

@@ -14,7 +14,7 @@ SDDMM (gated only) and an H-blocked TwELL SpMM.
 
 Overflow policy (§4.4): a (row, tile) with more positives than its W - 1 slots keeps
 its true count in the format. A row with such a tile is a heavy row: while a call's
-heavy rows fit the largest of a few static capacities (`heavy_rows`: M/128, M/32, M/8)
+heavy rows fit the largest of a few static capacities (`heavy_rows`: M/128 to M/8)
 they are cleared from the packed gate and computed by the dense formula on their
 gather; beyond that the SpMM sees the counts and recomputes each overflowed tile from x
 and the dense weight rows. Either way the output is correct at any density.
@@ -35,10 +35,11 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _triton as tr
+from pallas_kernels import reference as mlp_reference
 from pallas_kernels.twell import format as fmt
 from pallas_kernels.twell import heavy_rows, reference
 from pallas_kernels.twell.config import PackConfig, T2DConfig
-from pallas_kernels.twell.pack import gate_then_pack
+from pallas_kernels.twell.pack import pack_tiles
 from pallas_kernels.twell.t2d import shape_unsupported, t2d
 
 IMPLS = ("auto", "pallas", "interpret", "xla")
@@ -107,9 +108,11 @@ def twell_supported(h: int, n: int, compression: int = 8) -> str | None:
 def _sparse_forward(x, weights, opts: TwellOptions):
     """Pallas path: out [M, H] and the pack's tile counts, int32 [N / 256, M]."""
     interpret = opts.impl == "interpret" or (opts.impl == "auto" and not tr.on_gpu())
-    packed, counts = gate_then_pack(
-        x,
-        weights[0],
+    # The gate stays live until the dense tail, which reads its rows (a second gate
+    # GEMM on the tail rows cost ~17 µs at M = 4096; docs/performance_notes.md).
+    gate = mlp_reference.hidden(x, weights[0])
+    packed, counts = pack_tiles(
+        gate,
         compression=opts.compression,
         cfg=opts.d2t,
         interpret=interpret,
@@ -132,7 +135,7 @@ def _sparse_forward(x, weights, opts: TwellOptions):
     )
     with jax.named_scope("twell_dense_tail"):
         out = heavy_rows.add_tail(
-            out, x, weights, bucket, rows, caps, high_precision=opts.high_precision
+            out, x, gate, weights, bucket, rows, caps, high_precision=opts.high_precision
         )
     return out, counts
 

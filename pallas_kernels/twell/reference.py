@@ -29,13 +29,22 @@ def dense_forward(
     gate = reference.hidden(x, weights[0])
     m, n = gate.shape
     counts = jnp.sum((gate > 0).reshape(m, n // fmt.TILE, fmt.TILE), axis=-1, dtype=jnp.int32).T
+    return from_gate(x, gate, weights, high_precision=high_precision), counts
+
+
+def from_gate(
+    x: jax.Array, gate: jax.Array, weights: tuple[jax.Array, ...], *, high_precision: bool
+) -> jax.Array:
+    """The dense formula after the gate GEMM, [M, H] in x's dtype: gate is relu(x W0^T)
+    bf16 [M, N] (W0 = w_gate gated, w_up non-gated; the hidden activation itself when
+    non-gated)."""
     if len(weights) == 3:
         up = jnp.einsum("mh,nh->mn", x, weights[1], preferred_element_type=jnp.float32)
         hidden = gate.astype(jnp.float32) * up if high_precision else gate * up.astype(x.dtype)
     else:
         hidden = gate
     out = jnp.einsum("mn,nh->mh", hidden, weights[-1], preferred_element_type=jnp.float32)
-    return out.astype(x.dtype), counts
+    return out.astype(x.dtype)
 
 
 def dense_mlp(x: jax.Array, weights: tuple[jax.Array, ...]) -> jax.Array:

@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -113,6 +114,32 @@ def _tile_counts(x, w_sparse):
     gate = reference.hidden(x, w_sparse)
     m, n = gate.shape
     return jnp.sum((gate > 0).reshape(m, n // 256, 256), axis=-1, dtype=jnp.int32).T
+
+
+def _dots_per_branch(jaxpr, found):
+    """found += the dot_general count of every branch of every cond, recursively."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "cond":
+            for branch in eqn.params["branches"]:
+                found.append(sum(e.primitive.name == "dot_general" for e in branch.jaxpr.eqns))
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            _dots_per_branch(sub, found)
+    return found
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_dense_tail_reuses_the_gate(gated):
+    """The tail's branches run the up and down products only (gated) or the down
+    product only: their gate rows come from the call's gate GEMM."""
+    x, wg, wu, wd = integer_mlp(0, 64, 128, 512, 10.0)
+    if gated:
+        fn = lambda *a: pk.twell_gated_mlp(*a, impl="interpret")
+        args = (x, wg, wu, wd)
+    else:
+        fn = lambda *a: pk.twell_mlp(*a, impl="interpret")
+        args = (x, wu, wd)
+    per_branch = _dots_per_branch(jax.make_jaxpr(fn)(*args).jaxpr, [])
+    assert max(per_branch) == (2 if gated else 1), per_branch
 
 
 def test_heavy_row_capacities():
