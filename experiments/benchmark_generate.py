@@ -12,7 +12,7 @@ times the prefill and the decode loop of both, alternating (docs/design.md §8);
 medians over rounds. Decode tokens/s counts the B x (new_tokens - 1) tokens of the
 loop (the first new token comes out of the prefill).
 
-`attentions` lists the decode steps' attention impls (`pallas_kernels.decode_attention`)
+`attentions` lists the attention impls of the prefill and the decode steps
 to run: the first one gives the main keys; each other one runs both FFNs in the same
 rotation, under keys named after it (`dense_xla_attention_decode_ms`, ...), with its
 own dense / sparse ratio and each FFN's time over the first impl's.
@@ -54,6 +54,17 @@ def _step_profile(prefill, loop, params, prefill_args, stop, steps: int) -> dict
     }
 
 
+def _prefill_profile(prefill, params, prefill_args) -> dict:
+    """One traced prefill: the GPU's busy and span µs, kernel launches, and the 30
+    costliest kernels (launches and mean µs)."""
+    jax.block_until_ready(prefill(params, *prefill_args))
+    events = bu.trace_events(lambda: prefill(params, *prefill_args))
+    return {
+        **bu.gpu_timeline(events),
+        "kernels_by_name": dict(list(bu.kernel_table(events, 1).items())[:30]),
+    }
+
+
 def _path_name(ffn: str, attention: str, attentions: Sequence[str]) -> str:
     return ffn if attention == attentions[0] else f"{ffn}_{attention}_attention"
 
@@ -69,8 +80,9 @@ def case(
     attentions: Sequence[str] = ("auto",),
 ) -> dict:
     """One batch size: prefill and decode ms, decode tokens/s and ratios of both FFNs
-    (under each of `attentions`); with kernel_trace also each FFN's decode step as the
-    GPU ran it with the first attention (`_step_profile`)."""
+    (under each of `attentions`); with kernel_trace also each FFN's decode step and
+    prefill as the GPU ran them with the first attention (`_step_profile`,
+    `_prefill_profile`)."""
     rng = np.random.default_rng(batch)
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, prompt_len)), jnp.int32)
     pad = jnp.zeros((batch,), jnp.int32)
@@ -107,8 +119,10 @@ def case(
     for att in attentions[1:]:
         dense, sparse = (_path_name(ffn, att, attentions) for ffn in FFNS)
         rec[f"decode_speedup_{att}_attention"] = ratio(dense, sparse)
+        rec[f"prefill_speedup_{att}_attention"] = ratio(dense, sparse, "prefill")
         for ffn, path in (("dense", dense), ("sparse", sparse)):
-            rec[f"{ffn}_decode_{att}_attention_over_{attentions[0]}"] = ratio(path, ffn)
+            for part in ("decode", "prefill"):
+                rec[f"{ffn}_{part}_{att}_attention_over_{attentions[0]}"] = ratio(path, ffn, part)
     same = generated["dense"] == generated["sparse"]
     rec["same_tokens_fraction"] = float(same.mean())
     rec["rows_identical"] = int(same.all(axis=1).sum())
@@ -119,6 +133,7 @@ def case(
             rec[f"{ffn}_step_profile"] = _step_profile(
                 prefill, loop, params, prefill_args, stop, new_tokens - 1
             )
+            rec[f"{ffn}_prefill_profile"] = _prefill_profile(prefill, params, prefill_args)
     return rec
 
 

@@ -139,6 +139,22 @@ def attention_mask(query_slots: jax.Array, pad: jax.Array, t: int) -> jax.Array:
     return ((keys <= q) & real)[:, None]
 
 
+def rope_and_cache(qkv, cos, sin, cache_k, cache_v, slot, n_heads: int):
+    """S new tokens per row in XLA ops: (q [B, S, nH, D], k, v [B, S, nKV, D], cache_k,
+    cache_v), q and k rotated (RoPE) and the new keys / values written to slots
+    slot..slot+S-1. Shapes as `cached_attention`."""
+    b, s, _ = qkv.shape
+    kv, d = cache_k.shape[2:]
+    q, k, v = jnp.split(qkv, [n_heads * d, (n_heads + kv) * d], axis=-1)
+    q = rotate_half(q.reshape(b, s, n_heads, d), cos, sin)
+    k = rotate_half(k.reshape(b, s, kv, d), cos, sin)
+    v = v.reshape(b, s, kv, d)
+    at = (0, slot, 0, 0)
+    cache_k = lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype), at)
+    cache_v = lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype), at)
+    return q, k, v, cache_k, cache_v
+
+
 def cached_attention(qkv, cos, sin, cache_k, cache_v, slot, pad, n_heads: int):
     """S new tokens per row in XLA ops: the prompt's attention, and "xla" for one token.
 
@@ -147,13 +163,8 @@ def cached_attention(qkv, cos, sin, cache_k, cache_v, slot, pad, n_heads: int):
     to slots pad[b]..q (`attention_mask`). Returns (o [B, S, nH D], cache_k, cache_v).
     """
     b, s, _ = qkv.shape
-    t, kv, d = cache_k.shape[1:]
-    q, k, v = jnp.split(qkv, [n_heads * d, (n_heads + kv) * d], axis=-1)
-    q = rotate_half(q.reshape(b, s, n_heads, d), cos, sin)
-    k = rotate_half(k.reshape(b, s, kv, d), cos, sin)
-    at = (0, slot, 0, 0)
-    cache_k = lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype), at)
-    cache_v = lax.dynamic_update_slice(cache_v, v.reshape(b, s, kv, d).astype(cache_v.dtype), at)
+    t, d = cache_k.shape[1], cache_k.shape[3]
+    q, _, _, cache_k, cache_v = rope_and_cache(qkv, cos, sin, cache_k, cache_v, slot, n_heads)
     mask = attention_mask(slot + jnp.arange(s), pad, t)
     # XLA attention: cuDNN's flash attention takes no arbitrary (left-padding) mask.
     o = jax.nn.dot_product_attention(q, cache_k, cache_v, mask=mask, implementation="xla")

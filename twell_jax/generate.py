@@ -15,8 +15,9 @@ last token at slot P + t. The cache is one [B, P + max_new_tokens, n_kv_heads,
 head_dim] buffer per layer in the compute dtype, updated in place (the step donates
 its state). The layers run unrolled over per-layer weight buffers in the compute
 dtype, with the attention projections re-laid for one-token products
-(`twell_jax.serving`); a decode step's attention block is one kernel per layer on a
-GPU (`pallas_kernels.decode_attention`; `attention="xla"`: XLA's ops, as the prefill).
+(`twell_jax.serving`); on a GPU the prefill's attention is one flash-attention kernel
+per layer (`pallas_kernels.prompt_attention`) and a decode step's attention block
+another (`pallas_kernels.decode_attention`); `attention="xla"` runs XLA's ops for both.
 
 Without a streaming callback the decode steps run in one `lax.while_loop` that stops
 when every row has produced a stop token; with one, a Python loop calls the jitted
@@ -60,9 +61,10 @@ Params = dict[str, Any]
 FFN_MODES = ("auto", "dense", "sparse")
 # Generated-token slots after a row's stop token.
 NO_TOKEN = -1
-# "auto" runs the TwELL prefill from this many prompt tokens (B x P) up: the TwELL FFN
-# was 0.84x dense at 512 tokens and 1.27x at 4096 (docs/results.md).
-AUTO_TWELL_PREFILL_TOKENS = 4096
+# "auto" runs the TwELL prefill from this many prompt tokens (B x P) up: on the 1.5B
+# preset the whole prefill took 0.97x / 0.82x the dense one's time at 4096 / 8192
+# tokens and 1.18x / 1.19x at 16384 / 32768 (docs/results.md, "Prefill").
+AUTO_TWELL_PREFILL_TOKENS = 16384
 # "auto" decodes through the decode op up to this batch: its FFN GPU time is 1.75x /
 # 1.11x / 1.12x / 1.04x dense at 1 / 2 / 4 / 8 tokens, generation 1.28x / 1.04x end to
 # end at batch 1 / 8 (docs/results.md); above 8 tokens the op runs the dense formula.
@@ -202,7 +204,8 @@ def _compiled(
     """Jitted (prefill, step, loop) for one model / sampling setup (one compile per
     shape); a prefill of fewer than `min_prefill_tokens` tokens, and the decode steps of
     a batch larger than `max_decode_batch` (None: no limit), run the dense FFN; the
-    decode steps' attention runs `decode_attention` with impl `attention`."""
+    attention runs `prompt_attention` (prefill) and `decode_attention` (decode steps)
+    with impl `attention`."""
     prefill_def, decode_def = model_graphdef(prefill_cfg), model_graphdef(decode_cfg)
     dense_def = model_graphdef(dataclasses.replace(prefill_cfg, ffn_impl="dense"))
     cfg = decode_cfg
@@ -215,7 +218,16 @@ def _compiled(
         shape = (b, p + max_new, cfg.kv_heads, cfg.head_dim)
         cache = tuple(jnp.zeros(shape, cfg.compute_dtype) for _ in range(cfg.n_layers))
         x, cache_k, cache_v = run_layers(
-            model, params, _embed(model, tokens), cos, sin, cache, cache, 0, pad
+            model,
+            params,
+            _embed(model, tokens),
+            cos,
+            sin,
+            cache,
+            cache,
+            0,
+            pad,
+            attention=attention,
         )
         key, sub = jax.random.split(key)
         first = sample(lm_loss.logits(x[:, -1], model.head_weight()), sub, sampling)
@@ -368,8 +380,9 @@ def generate(
       stop_tokens: a row stops after producing one of these ids.
       seed: PRNG seed of the sampler.
       ffn: "auto", "dense" or "sparse" (module docstring).
-      attention: the decode steps' attention, `pallas_kernels.decode_attention`'s impl
-        ("auto": its kernel on a GPU in bf16, XLA's ops otherwise).
+      attention: the impl of the prefill's and the decode steps' attention
+        (`pallas_kernels.prompt_attention`, `pallas_kernels.decode_attention`; "auto":
+        their kernels on a GPU in bf16, XLA's ops otherwise).
       on_tokens: streaming: called with each new column of tokens, int32 numpy [B]
         (`NO_TOKEN` for rows already stopped), as soon as it is produced.
 

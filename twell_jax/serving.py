@@ -22,8 +22,9 @@
 The math is the model's (`twell_jax.model.Block`): the same products and rounding
 points, the q, k and v columns of one product instead of three. A one-token step runs
 its attention block (RoPE, cache update, softmax over the row's slots) through
-`pallas_kernels.decode_attention`: one kernel per layer on a GPU in bf16, the same XLA
-ops as the prompt's otherwise.
+`pallas_kernels.decode_attention`, and a prefill (S tokens written from slot 0)
+through `pallas_kernels.prompt_attention`: one flash-attention kernel per layer on a
+GPU in bf16, XLA's attention ops otherwise.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pallas_kernels.decode_attention import cached_attention, decode_attention
+from pallas_kernels.prompt_attention import prompt_attention
 from twell_jax.config import ModelConfig
 
 Params = dict[str, Any]
@@ -79,6 +81,8 @@ def _attention(att: Params, x, cos, sin, cache_k, cache_v, slot, pad, cfg: Model
     """The attention block's core for normed x [B, S, H]: (o [B, S, nH D], cache_k,
     cache_v), the new keys / values written to slots slot..slot+S-1."""
     y = jnp.einsum("bsh,fh->bsf", x, att["wqkv"].astype(x.dtype))
+    if x.shape[1] > 1 and isinstance(slot, int) and slot == 0:  # a prefill
+        return prompt_attention(y, cos, sin, cache_k, cache_v, pad, n_heads=cfg.n_heads, impl=impl)
     if x.shape[1] > 1:
         return cached_attention(y, cos, sin, cache_k, cache_v, slot, pad, cfg.n_heads)
     o, cache_k, cache_v = decode_attention(
@@ -95,9 +99,10 @@ def run_layers(model, params: Params, x, cos, sin, cache_k, cache_v, slot, pad, 
     params: `serving_params`' tree; its layers run unrolled.
     cos, sin: [B, S, D / 2] RoPE angles of the rows' positions.
     cache_k, cache_v: L-tuples of [B, T, nKV, D] caches, one buffer per layer.
-    slot: int32 scalar; pad: int32 [B], each row's first real slot.
-    attention: `decode_attention`'s impl for one-token steps ("auto": the kernel on a
-      GPU in bf16).
+    slot: int32 scalar (the Python int 0 for a prefill); pad: int32 [B], each row's
+      first real slot.
+    attention: the impl of `decode_attention` for one-token steps and of
+      `prompt_attention` for a prefill ("auto": the kernels on a GPU in bf16).
     Returns (final-norm hidden states [B, S, H], cache_k, cache_v).
     """
     cfg = model.cfg

@@ -23,6 +23,8 @@ def test_generate_benchmark_records_both_ffns_and_their_step_profiles():
             "kernels_per_step", "busy_us_per_step", "span_us_per_step", "kernels_per_step_by_name"
         }  # fmt: skip
         assert profile["busy_us_per_step"] <= profile["span_us_per_step"]
+        prefill = rec[f"{ffn}_prefill_profile"]
+        assert set(prefill) == {"kernels", "busy_us", "span_us", "kernels_by_name"}
     assert 0 <= rec["same_tokens_fraction"] <= 1
 
 
@@ -36,4 +38,5 @@ def test_generate_benchmark_times_a_second_attention_in_the_rotation():
     for ffn in ("dense", "sparse"):
         assert rec[f"{ffn}_xla_attention_decode_ms"] > 0
         assert rec[f"{ffn}_decode_xla_attention_over_auto"] > 0
-    assert rec["decode_speedup_xla_attention"] > 0
+        assert rec[f"{ffn}_prefill_xla_attention_over_auto"] > 0
+    assert rec["decode_speedup_xla_attention"] > 0 and rec["prefill_speedup_xla_attention"] > 0

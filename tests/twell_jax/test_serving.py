@@ -63,19 +63,27 @@ def test_run_layers_is_the_model_forward_in_fp32():
     assert all(float(jnp.abs(c).sum()) > 0 for c in cache_k)  # every layer's keys written
 
 
+def _left_padded_prompt(cfg, params, p: int, t: int, pads: tuple[int, ...]):
+    """(serving params, merged model, random tokens [B, p], pad, cos, sin, bf16 caches of
+    t slots) for rows left-padded by `pads`."""
+    sp = serving.serving_params(params, cfg)
+    model = serving.merge_model(model_graphdef(cfg), sp)
+    b = len(pads)
+    pad = jnp.asarray(pads, jnp.int32)
+    tokens = jax.random.randint(jax.random.key(p), (b, p), 0, cfg.vocab_size)
+    pos = jnp.maximum(jnp.arange(p)[None] - pad[:, None], 0)
+    cos, sin = M.rope_angles(pos, cfg.head_dim, cfg.rope_theta)
+    cache = (jnp.zeros((b, t, cfg.kv_heads, cfg.head_dim), jnp.bfloat16),) * cfg.n_layers
+    return sp, model, tokens, pad, cos, sin, cache
+
+
 def test_one_token_step_through_the_attention_kernel_matches_xla(gqa):
     """A decode step (prompt of left-padded rows in the cache, one new token each) with
     the attention kernel in the interpreter against XLA's attention: layer 0's caches
     equal (the same rounded RoPE), the rest within bf16 rounding over the 2 layers."""
     cfg, params = gqa
-    sp = serving.serving_params(params, cfg)
-    model = serving.merge_model(model_graphdef(cfg), sp)
-    b, p, t = 3, 8, 12
-    pad = jnp.asarray([0, 3, 7], jnp.int32)
-    tokens = jax.random.randint(jax.random.key(1), (b, p), 0, cfg.vocab_size)
-    pos = jnp.maximum(jnp.arange(p)[None] - pad[:, None], 0)
-    cos, sin = M.rope_angles(pos, cfg.head_dim, cfg.rope_theta)
-    cache = (jnp.zeros((b, t, cfg.kv_heads, cfg.head_dim), jnp.bfloat16),) * cfg.n_layers
+    sp, model, tokens, pad, cos, sin, cache = _left_padded_prompt(cfg, params, 8, 12, (0, 3, 7))
+    p = tokens.shape[1]
     embed = lambda ids: jnp.take(sp["embed"], ids, axis=0)
     _, ck, cv = serving.run_layers(model, sp, embed(tokens), cos, sin, cache, cache, 0, pad)
     slot = jnp.int32(p)
@@ -91,3 +99,28 @@ def test_one_token_step_through_the_attention_kernel_matches_xla(gqa):
     for a, c in zip((want, *want_k, *want_v), (got, *got_k, *got_v), strict=True):
         a, c = np.asarray(a, np.float32), np.asarray(c, np.float32)
         assert np.abs(c - a).max() <= 0.02 * np.abs(a).max()
+
+
+def test_prefill_through_the_prompt_kernel_matches_xla(gqa):
+    """A prefill of left-padded rows (slot 0) with the prompt's attention kernel in the
+    interpreter against XLA's attention: layer 0's caches equal (the kernel leaves the
+    RoPE and the cache update to the same XLA ops), the real rows' hidden states and
+    the later caches within bf16 rounding over the 2 layers."""
+    cfg, params = gqa
+    sp, model, tokens, pad, cos, sin, cache = _left_padded_prompt(cfg, params, 24, 30, (0, 5, 23))
+    p = tokens.shape[1]
+    x = jnp.take(sp["embed"], tokens, axis=0)
+    outs = {
+        impl: serving.run_layers(model, sp, x, cos, sin, cache, cache, 0, pad, attention=impl)
+        for impl in ("xla", "interpret")
+    }
+    (want, want_k, want_v), (got, got_k, got_v) = outs["xla"], outs["interpret"]
+    np.testing.assert_array_equal(np.asarray(got_k[0]), np.asarray(want_k[0]))
+    np.testing.assert_array_equal(np.asarray(got_v[0]), np.asarray(want_v[0]))
+    real = np.arange(p)[None, :] >= np.asarray(pad)[:, None]
+    a, c = np.asarray(want, np.float32)[real], np.asarray(got, np.float32)[real]
+    assert np.abs(c - a).max() <= 0.02 * np.abs(a).max()
+    for i in range(1, cfg.n_layers):  # the real rows' slots
+        for w, g in ((want_k[i], got_k[i]), (want_v[i], got_v[i])):
+            w, g = np.asarray(w, np.float32)[:, :p][real], np.asarray(g, np.float32)[:, :p][real]
+            assert np.abs(g - w).max() <= 0.02 * np.abs(w).max()
