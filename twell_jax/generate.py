@@ -62,13 +62,18 @@ FFN_MODES = ("auto", "dense", "sparse")
 # Generated-token slots after a row's stop token.
 NO_TOKEN = -1
 # "auto" runs the TwELL prefill from this many prompt tokens (B x P) up: on the 1.5B
-# preset the whole prefill took 0.97x / 0.82x the dense one's time at 4096 / 8192
-# tokens and 1.18x / 1.19x at 16384 / 32768 (docs/results.md, "Prefill").
-AUTO_TWELL_PREFILL_TOKENS = 16384
+# preset the whole prefill took 0.92x the dense one's time at 4096 tokens and 1.07x /
+# 1.14x / 1.23x at 8192 / 16384 / 32768 (docs/results.md, "Prefill").
+AUTO_TWELL_PREFILL_TOKENS = 8192
 # "auto" decodes through the decode op up to this batch: its FFN GPU time is 1.75x /
 # 1.11x / 1.12x / 1.04x dense at 1 / 2 / 4 / 8 tokens, generation 1.28x / 1.04x end to
 # end at batch 1 / 8 (docs/results.md); above 8 tokens the op runs the dense formula.
 AUTO_DECODE_OP_MAX_BATCH = 8
+# The prefill runs without XLA's command buffers (CUDA graphs; one prefill is one
+# ~1200-node graph with a conditional per TwELL layer): with them the TwELL prefill of
+# 8192 prompt tokens ran ~20 ms above its GPU busy time, 0.81-0.82x dense, and
+# 1.05-1.07x without (docs/results.md, "Prefill"). The decode steps keep them.
+PREFILL_COMPILER_OPTIONS = {"xla_gpu_enable_command_buffer": ""}
 # Padded prompt lengths are multiples of this, so that prompts of similar lengths share
 # one compiled prefill and decode loop.
 PROMPT_BUCKET = 8
@@ -275,7 +280,7 @@ def _compiled(
         return jax.lax.while_loop(more, lambda s: step(params, s, stop), state)
 
     return (
-        jax.jit(prefill, static_argnames="max_new"),
+        jax.jit(prefill, static_argnames="max_new", compiler_options=PREFILL_COMPILER_OPTIONS),
         jax.jit(step, donate_argnums=1),
         jax.jit(loop, donate_argnums=1),
     )
