@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the GPU test suite, then the benchmarks.
-#   bash experiments/gpu_check.sh [tests|kernel|train|model|train_model|energy|patterns|switch|captured|decode|train_memory|capacity|demo|l1_target|tune|train_tune|memory|quality|l1sweep|all]...
+#   bash experiments/gpu_check.sh [tests|kernel|train|model|train_model|energy|patterns|switch|captured|decode|train_memory|capacity|demo|l1_target|tune|train_tune|memory|quality|l1sweep|heavy|prefill|all]...
 # Results (JSON and logs) go to $OUT when set, else results/ (README.md, "Reproduce").
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -89,6 +89,14 @@ for what in "${@:-all}"; do
         --out="$OUT/attention_layout_decode_h200.json" || status=1
       python3 -m experiments.benchmark_decode_attention \
         --out="$OUT/decode_attention_kernel_h200.json" || status=1 ;;
+    prefill)  # the 1.5B prefill: attention kernel against XLA's ops, then TwELL against dense by size
+      python3 -m experiments.benchmark --mode=generate --model_presets=1.5b \
+        --generate_batch=8 --reps=3 --decode_kernel_trace --generate_attention=auto,xla \
+        --out="$OUT/generate_1.5b_b8_prompt_attention_h200.json" || status=1
+      python3 -m experiments.benchmark --mode=generate --model_presets=1.5b \
+        --generate_batch=8,16,32,64 --generate_new=32 --reps=5 \
+        --out="$OUT/generate_1.5b_prefill_b8_b64_no_prefill_command_buffers_h200.json" \
+        || status=1 ;;
     train_memory)  # peak memory of the real 2B step, dense and sparse
       python3 -m experiments.benchmark_memory --preset=2b --batch=8 --seq=2048 \
         --ffn_impls=dense,sparse --model_nnz=29 --out="$OUT/train_step_memory_2b_h200.json" \
