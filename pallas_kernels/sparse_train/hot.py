@@ -10,8 +10,12 @@ their rows of dWu = dR^T x, dWg = dU^T x and dWd = T^T gO come from tensor-core 
 (fp32 accumulation, like the SpMM). K, the block width, is a static capacity picked on
 the device from buckets about 1.5x apart (`lax.switch`), so a call without hot neurons
 pays for no GEMM and one with a few pays for little more than they need. When more
-neurons are hot than the largest capacity holds, the first ones by id take the dense
-block and the others stay in the CSC index: slower, still exact.
+neurons are hot than the largest capacity holds, the hottest take the dense block and
+the least hot of them stay in the CSC index, so the longest segment left there is
+about the K-th largest count: taking the first ones by id instead left neurons of
+2000-6000 entries in the index on skewed synthetic gates, against ~300 this way
+(docs/performance_notes.md, "Weight-gradient CSC SpMM"). Slower than a block that
+holds them all, still exact.
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ class HotPlan(NamedTuple):
     """Which neurons take the dense block.
 
     Attributes:
-        ids: int32 [K_max], the hot neurons in ascending id order, padded with N.
+        ids: int32 [K_max], the neurons of the block, padded with N: the hot ones in
+            ascending id order, or when more are hot than K_max, those above the
+            K_max-th largest count, then those at it (each group by id) up to K_max.
         index: int32 [N], a neuron's column in the dense block, K_max when not hot.
         n_hot: int32 scalar, neurons with at least `min_count` entries (uncapped).
         bucket: int32 scalar index into the capacities: the smallest that holds
@@ -49,7 +55,8 @@ class HotPlan(NamedTuple):
 
 
 def plan_hot(col_counts: jax.Array, min_count: int, capacities: tuple[int, ...]) -> HotPlan:
-    """Selects the neurons with at least `min_count` entries (at most max(capacities)).
+    """Selects the neurons with at least `min_count` entries, the hottest first when
+    they number more than max(capacities) (`HotPlan.ids`).
 
     Args:
         col_counts: int32 [N], ELL entries per neuron (`EllRows.col_counts`).
@@ -60,7 +67,22 @@ def plan_hot(col_counts: jax.Array, min_count: int, capacities: tuple[int, ...])
     k_max = max(capacities)
     hot = col_counts >= min_count
     n_hot = jnp.sum(hot, dtype=jnp.int32)
-    rank = jnp.cumsum(hot, dtype=jnp.int32) - 1
+    if 0 < k_max < n:
+        # Over capacity, rank those above the K_max-th largest count before the ties at
+        # it; within capacity every hot neuron is a "tie" and ranks by id.
+        over = n_hot > k_max
+        kth = jnp.sort(col_counts)[n - k_max]
+        above = hot & over & (col_counts > kth)
+        tie = hot & ~above & (~over | (col_counts == kth))
+        n_above = jnp.sum(above, dtype=jnp.int32)
+        rank = jnp.where(
+            above,
+            jnp.cumsum(above, dtype=jnp.int32) - 1,
+            n_above + jnp.cumsum(tie, dtype=jnp.int32) - 1,
+        )
+        hot = above | tie
+    else:
+        rank = jnp.cumsum(hot, dtype=jnp.int32) - 1
     index = jnp.where(hot & (rank < k_max), rank, k_max).astype(jnp.int32)
     neurons = jnp.arange(n, dtype=jnp.int32)
     ids = jnp.full((k_max,), n, jnp.int32).at[index].set(neurons, mode="drop")

@@ -24,8 +24,17 @@ def test_plan_picks_bucket_and_caps_at_the_largest():
     np.testing.assert_array_equal(plan.is_hot(), counts >= 6)
     capped = hot.plan_hot(counts, min_count=1, capacities=(0, 2, 4))
     assert int(capped.n_hot) == 7 and int(capped.bucket) == 2  # the largest holds 4 of 7
-    np.testing.assert_array_equal(capped.ids, [1, 2, 3, 4])
-    assert int(capped.is_hot().sum()) == 4  # the other 3 stay in the CSC index
+    # the hottest: 12 and 9 above the 4th largest count (6), then both 6s
+    np.testing.assert_array_equal(capped.ids, [1, 4, 3, 6])
+    np.testing.assert_array_equal(capped.is_hot(), counts >= 6)  # 3, 5, 1 stay in CSC
+    np.testing.assert_array_equal(capped.index[np.asarray(capped.ids)], np.arange(4))
+    # ties at the K-th largest count past capacity: the one above first, then by id
+    ties = hot.plan_hot(jnp.asarray([5, 5, 5, 5, 5, 9], jnp.int32), 1, (0, 2))
+    np.testing.assert_array_equal(ties.ids, [5, 0])
+    assert int(ties.n_hot) == 6 and int(ties.is_hot().sum()) == 2
+    # a block as wide as N holds every hot neuron, by id
+    wide = hot.plan_hot(counts, min_count=1, capacities=(0, 8))
+    np.testing.assert_array_equal(wide.ids, [1, 2, 3, 4, 5, 6, 7, 8])
     none = hot.plan_hot(jnp.zeros((8,), jnp.int32), min_count=1, capacities=(0, 2))
     assert int(none.n_hot) == 0 and int(none.bucket) == 0
     assert not bool(none.is_hot().any())
