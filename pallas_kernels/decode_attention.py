@@ -139,6 +139,26 @@ def attention_mask(query_slots: jax.Array, pad: jax.Array, t: int) -> jax.Array:
     return ((keys <= q) & real)[:, None]
 
 
+def resolve_impl(impl: str, dtype, reason: str | None) -> str:
+    """The backend that `impl` runs for operands of `dtype`: "pallas", "interpret" or
+    "xla". "auto" is the kernel on a GPU for bf16 when `reason` (why the kernel cannot
+    run the shape) is None, else xla.
+
+    Raises:
+      ValueError: an unknown impl, or a kernel impl asked for a dtype other than bf16
+        or a shape the kernel cannot run (`reason`).
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r}: must be one of {IMPLS}")
+    if impl == "auto":
+        return "pallas" if tr.on_gpu() and dtype == jnp.bfloat16 and reason is None else "xla"
+    if impl != "xla" and dtype != jnp.bfloat16:
+        raise ValueError(f"impl={impl!r} runs bf16 only, got qkv of dtype {dtype}")
+    if impl != "xla" and reason is not None:
+        raise ValueError(reason)
+    return impl
+
+
 def rope_and_cache(qkv, cos, sin, cache_k, cache_v, slot, n_heads: int):
     """S new tokens per row in XLA ops: (q [B, S, nH, D], k, v [B, S, nKV, D], cache_k,
     cache_v), q and k rotated (RoPE) and the new keys / values written to slots
@@ -171,8 +191,9 @@ def cached_attention(qkv, cos, sin, cache_k, cache_v, slot, pad, n_heads: int):
     return o.reshape(b, s, n_heads * d), cache_k, cache_v
 
 
-# The running max of a split that sees no slot: finite, so that exp(m - max) is 0, not NaN.
-_EMPTY_MAX = -1e30
+# The running max before any slot is seen (a split or query block with none yet): finite,
+# so that exp(m - max) is 0, not NaN.
+EMPTY_MAX = -1e30
 
 
 def _kernel(slot_ref, pad_ref, qkv_ref, cos_ref, sin_ref, ck_ref, cv_ref, *outs,
@@ -220,7 +241,7 @@ def _kernel(slot_ref, pad_ref, qkv_ref, cos_ref, sin_ref, ck_ref, cv_ref, *outs,
     # Split 0's online softmax starts from the new token (its score, weight 1 and
     # value), the others' from nothing.
     m = jnp.sum(q.astype(_F32) * k_new.astype(_F32), axis=1) * scale  # [Gp]
-    m = jnp.where(split == 0, m, _EMPTY_MAX)
+    m = jnp.where(split == 0, m, EMPTY_MAX)
     total = jnp.where(split == 0, jnp.ones((gp,), _F32), 0)
     acc = jnp.where(split == 0, jnp.broadcast_to(v_new.astype(_F32), (gp, d)), 0)
 
@@ -366,22 +387,13 @@ def decode_attention(
         asked for a dtype other than bf16 or a shape the kernel cannot run.
     """
     _check_inputs(qkv, cos, sin, cache_k, cache_v, slot, pad, n_heads)
-    if impl not in IMPLS:
-        raise ValueError(f"impl={impl!r}: must be one of {IMPLS}")
     b, t, kv, d = cache_k.shape
-    reason = config.unsupported(d, n_heads // kv, b * t * kv * d)
-    if impl == "auto":
-        fits = tr.on_gpu() and qkv.dtype == jnp.bfloat16 and reason is None
-        impl = "pallas" if fits else "xla"
+    impl = resolve_impl(impl, qkv.dtype, config.unsupported(d, n_heads // kv, b * t * kv * d))
     if impl == "xla":
         o, cache_k, cache_v = cached_attention(
             qkv[:, None], cos[:, None], sin[:, None], cache_k, cache_v, slot, pad, n_heads
         )
         return o[:, 0], cache_k, cache_v
-    if qkv.dtype != jnp.bfloat16:
-        raise ValueError(f"impl={impl!r} runs bf16 only, got qkv of dtype {qkv.dtype}")
-    if reason is not None:
-        raise ValueError(reason)
     return _kernel_attention(
         qkv, cos, sin, cache_k, cache_v, slot, pad, n_heads, config, impl == "interpret"
     )

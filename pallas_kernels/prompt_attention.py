@@ -37,12 +37,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _triton as tr
-from pallas_kernels.decode_attention import IMPLS, cached_attention, rope_and_cache
+from pallas_kernels.decode_attention import (
+    EMPTY_MAX,
+    cached_attention,
+    resolve_impl,
+    rope_and_cache,
+)
 
 _F32 = jnp.float32
-# The running max before a query has seen a slot: finite, so that exp(m - max) is 0,
-# not NaN, once it has.
-_EMPTY_MAX = -1e30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +110,7 @@ def _kernel(pad_ref, q_ref, k_ref, v_ref, o_ref, *, b_size, s_len, n_heads, kv, 
         return m_new, total * alpha + jnp.sum(p, axis=1), acc * alpha[:, None] + pv
 
     start = (
-        jnp.full((block_q,), _EMPTY_MAX, _F32),
+        jnp.full((block_q,), EMPTY_MAX, _F32),
         jnp.zeros((block_q,), _F32),
         jnp.zeros((block_q, d), _F32),
     )
@@ -175,8 +177,6 @@ def prompt_attention(
       ValueError: shapes that do not match, an unknown impl, or a kernel impl asked for
         a dtype other than bf16 or a shape the kernel cannot run.
     """
-    if impl not in IMPLS:
-        raise ValueError(f"impl={impl!r}: must be one of {IMPLS}")
     if qkv.ndim != 3 or cache_k.ndim != 4 or cache_v.shape != cache_k.shape:
         raise ValueError(
             f"qkv must be [B, S, F] and the caches [B, T, n_kv_heads, head_dim] alike, got "
@@ -193,14 +193,8 @@ def prompt_attention(
     if jnp.shape(pad) != (b,):
         raise ValueError(f"pad must be an integer [B] = [{b}], got shape {jnp.shape(pad)}")
     reason = config.unsupported(d, max(b * s * n_heads * d, b * t * kv * d))
-    if impl == "auto":
-        fits = tr.on_gpu() and qkv.dtype == jnp.bfloat16 and reason is None
-        impl = "pallas" if fits else "xla"
+    impl = resolve_impl(impl, qkv.dtype, reason)
     if impl == "xla":
         return cached_attention(qkv, cos, sin, cache_k, cache_v, 0, pad, n_heads)
-    if qkv.dtype != jnp.bfloat16:
-        raise ValueError(f"impl={impl!r} runs bf16 only, got qkv of dtype {qkv.dtype}")
-    if reason is not None:
-        raise ValueError(reason)
     q, k, v, cache_k, cache_v = rope_and_cache(qkv, cos, sin, cache_k, cache_v, 0, n_heads)
     return _kernel_attention(q, k, v, pad, config, impl == "interpret"), cache_k, cache_v
