@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import functools
 import glob
 import gzip
 import json
@@ -265,6 +266,33 @@ def call_timeline(fn, *args) -> dict:
     """`gpu_timeline` of one call of `fn(*args)` after one warm-up."""
     jax.block_until_ready(fn(*args))
     return gpu_timeline(trace_events(lambda: fn(*args)))
+
+
+def stacked_attention_layers(op, qkv, cos, sin, cache_k, cache_v, *rest, **kwargs):
+    """`op(qkv[i], cos, sin, cache_k[i], cache_v[i], *rest, **kwargs)` for every layer i
+    of the stacked qkv [L, ...] and the L caches (tuples): (o [L, ...], caches)."""
+    out, cache_k, cache_v = [], list(cache_k), list(cache_v)
+    for i in range(qkv.shape[0]):
+        o, cache_k[i], cache_v[i] = op(qkv[i], cos, sin, cache_k[i], cache_v[i], *rest, **kwargs)
+        out.append(o)
+    return jnp.stack(out), tuple(cache_k), tuple(cache_v)
+
+
+def attention_launches(op, config_cls, launches, name_format: str, *args, n_heads: int) -> dict:
+    """`per_layer_profile` of `stacked_attention_layers(op, *args)` with impl="xla" and
+    with the kernel at each launch (`config_cls(*launch)`; the interpreter off a GPU):
+    {"xla" or name_format.format(*launch): profile}."""
+    impl = "pallas" if jax.default_backend() == "gpu" else "interpret"
+    cases = [("xla", "xla", config_cls())] + [
+        (name_format.format(*launch), impl, config_cls(*launch)) for launch in launches
+    ]
+    res = {}
+    for name, case_impl, config in cases:
+        fn = functools.partial(stacked_attention_layers, op, n_heads=n_heads, impl=case_impl)
+        fn = jax.jit(functools.partial(fn, config=config))
+        res[name] = per_layer_profile(fn, *args, layers=args[0].shape[0])
+        print(name, round(res[name]["busy_us_per_layer"], 2), flush=True)
+    return res
 
 
 def per_layer_profile(fn, *args, layers: int) -> dict:

@@ -18,8 +18,6 @@ decode step, which donates them, has none). Why `DecodeAttentionConfig` has the 
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from absl import app, flags
@@ -47,37 +45,20 @@ def _inputs(b: int, seed: int = 0):
     return qkv, jnp.cos(angles), jnp.sin(angles), caches
 
 
-def _layers(qkv, cos, sin, cache_k, cache_v, slot, pad, *, impl, config):
-    """Every layer's attention in one call: (o [L, B, nH D], caches)."""
-    out, cache_k, cache_v = [], list(cache_k), list(cache_v)
-    for i in range(LAYERS):
-        o, cache_k[i], cache_v[i] = decode_attention(
-            qkv[i], cos, sin, cache_k[i], cache_v[i], slot, pad, n_heads=HEADS, impl=impl,
-            config=config,
-        )  # fmt: skip
-        out.append(o)
-    return jnp.stack(out), tuple(cache_k), tuple(cache_v)
-
-
 def run() -> dict:
     """ "b<B>_slot<S>_<impl or launch>" -> {"busy_us_per_layer", "span_us_per_layer",
     "kernels"}."""
     res = {}
-    impl = "pallas" if jax.default_backend() == "gpu" else "interpret"
-    cases = [("xla", "xla", DecodeAttentionConfig())] + [
-        ("t{}_w{}_s{}_p{}".format(*launch), impl, DecodeAttentionConfig(*launch))
-        for launch in LAUNCHES
-    ]
     for b in BATCHES:
         qkv, cos, sin, caches = _inputs(b)
         pad = jnp.zeros((b,), jnp.int32)
         for slot in SLOTS:
-            for name, case_impl, config in cases:
-                fn = jax.jit(functools.partial(_layers, impl=case_impl, config=config))
-                args = (qkv, cos, sin, caches, caches, jnp.int32(slot), pad)
-                rec = bu.per_layer_profile(fn, *args, layers=LAYERS)
-                res[f"b{b}_slot{slot}_{name}"] = rec
-                print(b, slot, name, round(rec["busy_us_per_layer"], 2), flush=True)
+            print("rows", b, "slot", slot, flush=True)
+            cases = bu.attention_launches(
+                decode_attention, DecodeAttentionConfig, LAUNCHES, "t{}_w{}_s{}_p{}",
+                qkv, cos, sin, caches, caches, jnp.int32(slot), pad, n_heads=HEADS,
+            )  # fmt: skip
+            res.update({f"b{b}_slot{slot}_{name}": rec for name, rec in cases.items()})
     return res
 
 

@@ -71,7 +71,7 @@ def define_flags() -> None:
     flags.DEFINE_float("mem_fraction", 0.95, "Device memory the bfc pool may grow to.")
     flags.DEFINE_string("out", "", "JSON output path (default: print only).")
     flags.DEFINE_bool("probe", False, "Internal: be the child, one probe of --ffn_impls.")
-    flags.DEFINE_integer("calib_batch", 0, "Internal: calibration sequences (0: --batch).")
+    flags.DEFINE_integer("calib_batch", 0, "Sequences the weights are calibrated on (0: --batch).")
 
 
 IMPLS = ("dense", "sparse")

@@ -51,11 +51,12 @@ _F32 = jnp.float32
 class PromptAttentionConfig:
     """The kernel's launch: block_q queries per program, block_k slots per step of its
     key / value loop (powers of two >= 16; block_q a multiple of block_k), and Triton's
-    num_warps and num_stages."""
+    num_warps and num_stages. The defaults were the fastest of a launch sweep on the
+    H200 (docs/performance_notes.md, "Generation")."""
 
-    block_q: int = 128
+    block_q: int = 64
     block_k: int = 64
-    num_warps: int = 8
+    num_warps: int = 4
     num_stages: int = 2
 
     def unsupported(self, head_dim: int, elements: int) -> str | None:

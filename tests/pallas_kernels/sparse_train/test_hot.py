@@ -40,6 +40,23 @@ def test_plan_picks_bucket_and_caps_at_the_largest():
     assert not bool(none.is_hot().any())
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_plan_over_capacity_keeps_the_hottest(seed):
+    # Against a numpy ranking (most entries first, ties by id), on counts with many ties
+    # at and around the cut.
+    rng = np.random.default_rng(seed)
+    n, cap, min_count = 300, 64, 3
+    counts = rng.integers(0, 12, n) + 30 * (rng.random(n) < 0.2)
+    plan = hot.plan_hot(jnp.asarray(counts, jnp.int32), min_count, (0, 16, cap))
+    order = np.lexsort((np.arange(n), -counts))  # hottest first, ties by id
+    want = np.sort(order[:cap][counts[order[:cap]] >= min_count])
+    ids = np.asarray(plan.ids)
+    np.testing.assert_array_equal(np.sort(ids[ids < n]), want)
+    np.testing.assert_array_equal(np.flatnonzero(plan.is_hot()), want)
+    np.testing.assert_array_equal(np.asarray(plan.index)[ids], np.arange(cap))
+    assert int(plan.n_hot) == int(np.sum(counts >= min_count)) and int(plan.bucket) == 2
+
+
 @pytest.mark.parametrize("bad", [(4, 16), (0, 16, 4), (0, 4, 4)])
 def test_bad_hot_capacities_raise(bad):
     with pytest.raises(ValueError, match="hot_capacities"):
