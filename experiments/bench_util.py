@@ -288,8 +288,11 @@ def attention_launches(op, config_cls, launches, name_format: str, *args, n_head
     ]
     res = {}
     for name, case_impl, config in cases:
-        fn = functools.partial(stacked_attention_layers, op, n_heads=n_heads, impl=case_impl)
-        fn = jax.jit(functools.partial(fn, config=config))
+        fn = jax.jit(
+            functools.partial(
+                stacked_attention_layers, op, n_heads=n_heads, impl=case_impl, config=config
+            )
+        )
         res[name] = per_layer_profile(fn, *args, layers=args[0].shape[0])
         print(name, round(res[name]["busy_us_per_layer"], 2), flush=True)
     return res

@@ -17,6 +17,7 @@ import pytest
 
 from pallas_kernels.decode_attention import DecodeAttentionConfig, decode_attention
 from tests.lowering import count_triton_calls
+from tests.pallas_kernels.attention_requests import assert_refuses_unsupported_requests
 
 # SPLIT splits each row's slots over up to 4 programs (its second kernel combines
 # them); WHOLE keeps one program per (row, key / value head).
@@ -179,14 +180,7 @@ def test_bad_inputs_raise(change, message):
 
 
 def test_unsupported_requests_raise():
-    with pytest.raises(ValueError, match="n_heads=3"):
-        decode_attention(*_args(), n_heads=3)
-    with pytest.raises(ValueError, match="impl="):
-        decode_attention(*_args(), n_heads=4, impl="cuda")
-    with pytest.raises(ValueError, match="bf16 only"):
-        decode_attention(*_args(dtype=jnp.float32), n_heads=4, impl="interpret")
-    with pytest.raises(ValueError, match="head_dim=24"):
-        decode_attention(*_args(d=24), n_heads=4, impl="interpret")
+    assert_refuses_unsupported_requests(decode_attention, _args)
     with pytest.raises(ValueError, match="block_t"):
         decode_attention(*_args(), n_heads=4, impl="interpret",
                          config=DecodeAttentionConfig(block_t=24))  # fmt: skip

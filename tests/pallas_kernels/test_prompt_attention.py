@@ -20,6 +20,7 @@ from pallas_kernels.prompt_attention import (
     prompt_attention,
 )
 from tests.lowering import count_triton_calls
+from tests.pallas_kernels.attention_requests import assert_refuses_unsupported_requests
 
 # Small blocks so that short prompts span several query and key blocks.
 SMALL = PromptAttentionConfig(block_q=32, block_k=16, num_warps=4)
@@ -160,14 +161,7 @@ def test_bad_inputs_raise(change, message):
 
 
 def test_unsupported_requests_raise():
-    with pytest.raises(ValueError, match="n_heads=3"):
-        prompt_attention(*_args(), n_heads=3)
-    with pytest.raises(ValueError, match="impl="):
-        prompt_attention(*_args(), n_heads=4, impl="cuda")
-    with pytest.raises(ValueError, match="bf16 only"):
-        prompt_attention(*_args(dtype=jnp.float32), n_heads=4, impl="interpret")
-    with pytest.raises(ValueError, match="head_dim=24"):
-        prompt_attention(*_args(d=24), n_heads=4, impl="interpret")
+    assert_refuses_unsupported_requests(prompt_attention, _args)
     with pytest.raises(ValueError, match="block_k"):
         prompt_attention(*_args(), n_heads=4, impl="interpret",
                          config=PromptAttentionConfig(block_q=32, block_k=24))  # fmt: skip
