@@ -212,12 +212,14 @@ def tune(
         RowLaunch(group=4, num_warps=4, block_h=512),
     ),
     compact_options=(
-        CompactLaunch(block_rows=16, block_cols=128, num_warps=4),
-        CompactLaunch(block_rows=16, block_cols=256, num_warps=4),
-        CompactLaunch(block_rows=32, block_cols=128, num_warps=4),
-        CompactLaunch(block_rows=8, block_cols=128, num_warps=4),
-        CompactLaunch(block_rows=16, block_cols=128, num_warps=2),
-        CompactLaunch(block_rows=32, block_cols=128, num_warps=8),
+        CompactLaunch(),
+        CompactLaunch(steps=8, ahead=1),
+        CompactLaunch(steps=16, ahead=3),
+        CompactLaunch(steps=64, ahead=3),
+        CompactLaunch(block_m=2, steps=8, ahead=3),
+        CompactLaunch(block_m=4, steps=4, ahead=1, num_warps=2),
+        CompactLaunch(group=16),
+        CompactLaunch(block_cols=128),
     ),
 ) -> list[dict]:
     """Times the kernels over launch options; one JSON-able dict per option.

@@ -2,10 +2,12 @@
 true counts, per-column ELL counts and the fired neurons.
 
 Two passes over the gate: XLA counts the positives of every (row, column tile) and
-takes their exclusive prefix along the row; then one Pallas program per (row block,
-tile) writes its entries at those offsets with `tile_select` (one reduction and one
-[block_rows] store per entry of the block's fullest row). A single pass that walks N
-per row block would serialise N / block_cols dependent steps per program.
+takes their exclusive prefix along the row; then one Pallas program per (tile, rows)
+writes its entries at those offsets. It walks its rows a few at a time with the next
+blocks' loads in flight, and finds each group of columns' entries as set bits
+(`bit_groups`, as the TwELL pack does), so it reads the gate near HBM speed. A
+single pass that walks N per row block would serialise N / block_cols dependent steps
+per program.
 `compact_rows_ref` is the plain-jnp twin.
 """
 
@@ -19,10 +21,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _triton
-from pallas_kernels import tile_select as ts
+from pallas_kernels import _triton, bit_groups
 from pallas_kernels._gather import fit_block
-from pallas_kernels.sparse_train._launch import NUM_STAGES, iota
+from pallas_kernels.sparse_train._launch import iota
 from pallas_kernels.sparse_train.format import EllRows, col_dtype
 
 _I32 = jnp.int32
@@ -35,23 +36,41 @@ _STREAM = "evict_first"
 
 @dataclasses.dataclass(frozen=True)
 class CompactLaunch:
-    """Launch of the compaction: one program per tile of block_rows x block_cols.
+    """Launch of the compaction: one program per (column tile, block_m * steps rows).
 
-    block_rows, block_cols: the tile (powers of two; N must be a multiple of
-      block_cols, which `fit` ensures).
+    block_cols: the tile's columns (a power of two; `fit` makes it divide N).
+    group: columns per thread-held group, a power of two in 2..16 (`bit_groups`).
+    block_m: rows per block, a power of two; a program walks `steps` blocks of its
+      tile one after the other, the loads of the next `ahead` blocks in flight
+      (steps a multiple of ahead + 1, or 1).
     num_warps: Triton warps per program, a power of two.
     """
 
-    block_rows: int
-    block_cols: int
-    num_warps: int
+    block_cols: int = 256
+    group: int = 8
+    block_m: int = 1
+    steps: int = 32
+    ahead: int = 3
+    num_warps: int = 1
+
+    @property
+    def rows(self) -> int:
+        """Rows per program: also the row block of the per-column records."""
+        return self.block_m * self.steps
 
     def unsupported(self, name: str) -> str | None:
         """Why this launch is invalid (naming the field as `name.field`), or None."""
-        for field in ("block_rows", "block_cols", "num_warps"):
+        for field in ("block_cols", "group", "block_m", "num_warps"):
             v = getattr(self, field)
             if not _triton.is_pow2(v):
                 return f"{name}.{field}={v} must be a power of two"
+        if not 2 <= self.group <= 16 or self.block_cols < self.group:
+            return f"{name}.group={self.group} must be in [2, 16] and <= block_cols"
+        unrolled = self.ahead >= 1 and self.steps % (self.ahead + 1) == 0
+        if self.steps < 1 or (self.steps > 1 and not unrolled):
+            return f"{name}.steps={self.steps} must be 1 or a multiple of ahead + 1 >= 2"
+        if self.rows * (self.rows + 2) >= 2**15:
+            return f"{name}: {self.rows} rows per program overflow the int16 column records"
         return None
 
     def fit(self, n: int) -> CompactLaunch:
@@ -61,59 +80,97 @@ class CompactLaunch:
 
 
 def _compact_kernel(
-    p_ref, offsets_ref, totals_ref, cols_ref, vals_ref, col_ref,
-    *, m, width, block_rows, block_cols, tiles,
+    w_ref, offsets_ref, totals_ref, cols_ref, vals_ref, info_ref,
+    *, m, width, launch, per_word, tiles,
 ):  # fmt: skip
-    """Program (t, i) packs rows i*BR.. within the column tile t*BC.. .
+    """Program (t, i) packs the tile t of rows i * R .. (R = launch.rows).
 
-    The row's entries of earlier tiles are counted beforehand (`offsets_ref`, [M, T];
-    `totals_ref` [M] the row totals), so every (row block, tile) is independent: entry
-    k of the tile goes to slot offset + k when that is below W; the last tile's
-    program zeroes the row's slots past its total. Per column it also writes
-    (BR + 1) * (entries) + (entries of rows with total <= W) to col_ref [blocks, N].
+    w_ref: [R, G, Q] uint32, the program's [R, block_cols] block of the gate as words
+    (Q = group / per_word). The entries of each row's earlier tiles are counted
+    beforehand (`offsets_ref`, [T, M]; `totals_ref` [M] the row totals), so every
+    program is independent: the tile's entry k goes to slot offset + k when that is
+    below W; the last tile's program zeroes the row's slots past its total. Per column
+    it writes (R + 1) * (entries) + (entries of rows with total <= W) to info_ref
+    [programs, N / per_word] (two 16-bit records per word for bf16).
     """
-    t, i = _triton.program_id(0, tiles), _triton.program_id(1, pl.cdiv(m, block_rows))
-    rows = i * block_rows + iota(block_rows)
-    row_ok = rows < m
-    lane = iota(block_cols)
-    col = t * block_cols + lane
-    rows_b = jnp.broadcast_to(rows[:, None], (block_rows, block_cols))
-    col_b = jnp.broadcast_to(col[None, :], (block_rows, block_cols))
-    p = _triton.load(
-        p_ref.at[rows_b, col_b], mask=row_ok[:, None], other=0, eviction_policy=_STREAM
+    block_m, steps = launch.block_m, launch.steps
+    n_rows = launch.rows
+    groups, q = w_ref.shape[1:]
+    t, i = _triton.program_id(0, tiles), _triton.program_id(1, pl.cdiv(m, n_rows))
+    first = i * n_rows
+    prog_rows = first + iota(n_rows)
+    base_all = _triton.load(
+        offsets_ref.at[jnp.full((n_rows,), t, _I32), prog_rows], mask=prog_rows < m, other=0
     )
-    pos = p > 0
-    tile_ids = jnp.full((block_rows,), t, _I32)
-    base = _triton.load(offsets_ref.at[rows, tile_ids], mask=row_ok, other=0)
-    total = _triton.load(totals_ref.at[rows], mask=row_ok, other=0)
-    count = jnp.sum(pos.astype(_I32), axis=1)
-    room = jnp.maximum(width - base, 0)
+    total_all = _triton.load(totals_ref.at[prog_rows], mask=prog_rows < m, other=0)
+    whole = m % n_rows == 0  # no block overhangs M: unmasked loads
+    group_col = t * launch.block_cols + iota(groups)[None, :] * launch.group
 
-    def store_round(k, key):
-        slot = base + k
-        ok = (key != ts.NO_ENTRY) & (slot < width)
-        slot = jnp.where(ok, slot, width)  # masked lanes: an out-of-range slot
-        col_id = (t * block_cols + ts.key_lane(key)).astype(cols_ref.dtype)
-        _triton.store(cols_ref.at[rows, slot], col_id, mask=ok)
-        _triton.store(vals_ref.at[rows, slot], ts.key_value(key, p, lane), mask=ok)
+    def load(k):
+        k = jnp.minimum(k, steps - 1)
+        block = w_ref.at[pl.ds(k * block_m, block_m)]
+        if whole:
+            return _triton.load(block, eviction_policy=_STREAM)
+        row_ok = first + k * block_m + iota(block_m) < m
+        return _triton.load(block, mask=row_ok[:, None, None], other=0, eviction_policy=_STREAM)
 
-    keys = ts.entry_keys(p, pos, lane)
-    ts.for_each_entry(keys, jnp.max(jnp.minimum(count, room)), store_round)
-    # One reduction over the block's rows for both per-column numbers.
-    in_ell = total <= width
-    weight = jnp.where(in_ell, block_rows + 2, block_rows + 1)[:, None]
-    info = jnp.sum(jnp.where(pos, weight, 0), axis=0)
-    _triton.store(col_ref.at[jnp.full((block_cols,), i, _I32), col], info.astype(col_ref.dtype))
+    def compact_block(k, words, counters):
+        rows = first + k * block_m + iota(block_m)
+        row_ok = rows < m
+        # This block's offsets and totals, picked out of the program's (loaded once).
+        pick = iota(n_rows)[None, :] == (k * block_m + iota(block_m))[:, None]
+        base = jnp.sum(jnp.where(pick, base_all[None, :], 0), axis=1)
+        total = jnp.sum(jnp.where(pick, total_all[None, :], 0), axis=1)
+        flags = bit_groups.positive_flags(words, per_word)
+        bits = bit_groups.group_bits(flags, per_word)
+        per_group = lax.population_count(bits)  # [BM, G]
+        slot0 = base[:, None] + jnp.cumsum(per_group, axis=1) - per_group
+        most = jnp.max(jnp.max(per_group, axis=1))  # one axis at a time (lowering)
 
-    @pl.when(t == tiles - 1)
-    def _zero_unused_slots():
-        s = jnp.broadcast_to(iota(width)[None, :], (block_rows, width))
-        rows_w = jnp.broadcast_to(rows[:, None], (block_rows, width))
-        unused = (s >= total[:, None]) & row_ok[:, None]
-        zero_cols = jnp.zeros((block_rows, width), cols_ref.dtype)
-        _triton.store(cols_ref.at[rows_w, s], zero_cols, mask=unused)
-        zeros = jnp.zeros((block_rows, width), vals_ref.dtype)
-        _triton.store(vals_ref.at[rows_w, s], zeros, mask=unused)
+        def store_rank(r, left):
+            element = bit_groups.lowest_bit(left)
+            word = bit_groups.element_word(words, element, per_word)
+            if per_word == 2:
+                word = jnp.where((element & 1) == 1, word >> 16, word & 0xFFFF)
+                value = lax.bitcast_convert_type(word.astype(jnp.uint16), vals_ref.dtype)
+            else:
+                value = lax.bitcast_convert_type(word, vals_ref.dtype)
+            slot = slot0 + r
+            ok = (left != 0) & (slot < width)
+            slot = jnp.where(ok, slot, width)  # masked lanes: an out-of-range slot
+            at = (rows[:, None], slot)
+            _triton.store(cols_ref.at[at], (group_col + element).astype(cols_ref.dtype), mask=ok)
+            _triton.store(vals_ref.at[at], value, mask=ok)
+            return left & (left - 1)
+
+        lax.fori_loop(0, most, store_rank, bits)
+
+        @pl.when(t == tiles - 1)
+        def _zero_unused_slots():
+            s = jnp.broadcast_to(iota(width)[None, :], (block_m, width))
+            rows_w = jnp.broadcast_to(rows[:, None], (block_m, width))
+            unused = (s >= total[:, None]) & row_ok[:, None]
+            _triton.store(
+                cols_ref.at[rows_w, s], jnp.zeros((block_m, width), cols_ref.dtype), mask=unused
+            )
+            _triton.store(
+                vals_ref.at[rows_w, s], jnp.zeros((block_m, width), vals_ref.dtype), mask=unused
+            )
+
+        every, in_ell = counters
+        ell_rows = (total <= width)[:, None, None]
+        every = every + jnp.sum(flags, axis=0)
+        in_ell = in_ell + jnp.sum(jnp.where(ell_rows, flags, 0), axis=0)
+        return every, in_ell
+
+    zero = jnp.zeros((groups, q), jnp.uint32)
+    every, in_ell = bit_groups.for_each_block(
+        load, compact_block, (zero, zero), steps=steps, ahead=launch.ahead
+    )
+    # Each 16-bit half stays below 2**15 (`CompactLaunch.unsupported`): no carries.
+    info = every * (n_rows + 1) + in_ell
+    word_col = (t * groups + iota(groups)[:, None]) * q + iota(q)[None, :]
+    _triton.store(info_ref.at[jnp.full((groups, q), i, _I32), word_col], info)
 
 
 def compact_rows(
@@ -127,10 +184,10 @@ def compact_rows(
     """Packs the positive entries of a dense gate [M, N] into ELL rows of width W.
 
     Args:
-        p: [M, N] bf16 gate pre-activations U (or relu(U)); entries > 0 are the
-            pattern and their values are P = relu(U).
+        p: [M, N] bf16 or fp32 gate pre-activations U (or relu(U)); entries > 0 are
+            the pattern and their values are P = relu(U).
         width: W (a power of two).
-        launch: the tile and warps (N must be a multiple of launch.block_cols).
+        launch: the tile and blocks (N must be a multiple of launch.block_cols).
         impl: "pallas" or "xla" (`compact_rows_ref`).
         interpret: Pallas interpret mode (None: interpret unless on a GPU).
 
@@ -139,52 +196,70 @@ def compact_rows(
         all_finite bool scalar: no gate value is NaN or +-Inf). Slots at or past a
         row's count hold zeros. NaN and -Inf are not positive; with any non-finite
         gate the ELL part is not meaningful (callers run densely then).
+
+    Raises:
+        ValueError: p is not a 2-D bf16 / fp32 array, or N, W or the launch are
+            unsupported.
     """
     if impl == "xla":
         return compact_rows_ref(p, width)
+    if p.ndim != 2 or p.dtype not in (jnp.bfloat16, jnp.float32):
+        raise ValueError(f"compact_rows: p must be a bf16 or fp32 [M, N], got {p.dtype}{p.shape}")
     m, n = p.shape
-    block_rows, block_cols = launch.block_rows, launch.block_cols
-    if n % block_cols or launch.unsupported("compact") or not _triton.is_pow2(width):
-        raise ValueError(f"compact_rows: unsupported N={n}, blocks {block_rows}x{block_cols}")
-    tiles = n // block_cols
+    reason = launch.unsupported("compact")
+    if reason is None and (n % launch.block_cols or not _triton.is_pow2(width)):
+        reason = (
+            f"N={n} must be a multiple of block_cols={launch.block_cols}, W={width} a power of 2"
+        )
+    if reason:
+        raise ValueError(f"compact_rows: {reason}")
+    tiles = n // launch.block_cols
     # One XLA pass over the gate counts the positives and flags non-finite values (a
     # large marker each, masked off the counts), so the caller's finiteness check of
     # x and W_gate costs no second read of an [M, N] or [M, H] array.
     marked = jnp.where(jnp.isfinite(p), (p > 0).astype(_I32), _NONFINITE)
-    marked = jnp.sum(marked.reshape(m, tiles, block_cols), axis=2, dtype=_I32)
+    marked = jnp.sum(marked.reshape(m, tiles, launch.block_cols), axis=2, dtype=_I32)
     all_finite = jnp.all(marked < _NONFINITE)
     tile_counts = marked & (_NONFINITE - 1)
     ends = jnp.cumsum(tile_counts, axis=1, dtype=_I32)
-    row_blocks = pl.cdiv(m, block_rows)
-    kernel = functools.partial(
-        _compact_kernel,
-        m=m,
-        width=width,
-        block_rows=block_rows,
-        block_cols=block_cols,
-        tiles=tiles,
-    )
     totals = ends[:, -1]
-    # (BR + 2) * BR must fit the per-(row block, column) record.
-    info_dtype = jnp.int16 if (block_rows + 2) * block_rows < 2**15 else _I32
+    per_word = bit_groups.elements_per_word(p.dtype)
+    q = launch.group // per_word
+    # Free (row-major) views: the gate as uint32 words, each (rows, tile) block [G, Q].
+    words = lax.bitcast_convert_type(p.reshape(m, n // per_word, per_word), jnp.uint32)
+    words = words.reshape(m, n // launch.group, q)
+    programs = pl.cdiv(m, launch.rows)
+    kernel = functools.partial(
+        _compact_kernel, m=m, width=width, launch=launch, per_word=per_word, tiles=tiles
+    )
     cols, vals, info = _triton.pallas_call(
         kernel,
         out_shape=(
             jax.ShapeDtypeStruct((m, width), col_dtype(n)),
             jax.ShapeDtypeStruct((m, width), p.dtype),
-            jax.ShapeDtypeStruct((row_blocks, n), info_dtype),
+            jax.ShapeDtypeStruct((programs, n // per_word), jnp.uint32),
         ),
-        grid=(tiles, row_blocks),
-        compiler_params=_triton.compiler_params(num_warps=launch.num_warps, num_stages=NUM_STAGES),
+        grid=(tiles, programs),
+        in_specs=[
+            pl.BlockSpec(
+                (launch.rows, launch.block_cols // launch.group, q), lambda t, i: (i, t, 0)
+            ),
+            pl.no_block_spec,
+            pl.no_block_spec,
+        ],
+        out_specs=(pl.no_block_spec,) * 3,
+        compiler_params=_triton.compiler_params(num_warps=launch.num_warps, num_stages=1),
         interpret=_triton.resolve_interpret(interpret),
         name="twell_compact_rows",
-    )(p, ends - tile_counts, totals)
-    # info = (BR + 1) * entries + ELL entries. One variadic reduction over the row
+    )(words, (ends - tile_counts).T, totals)
+    if per_word == 2:  # two 16-bit records per word, the lower column in the low half
+        info = lax.bitcast_convert_type(info, jnp.uint16).reshape(programs, n)
+    # info = (R + 1) * entries + ELL entries. One variadic reduction over the row
     # blocks gives both per-column numbers (two reductions cost a launch and a pass
-    # more); the int16 records are widened inside it (two reductions of one widened
-    # copy made XLA write that int32 copy of the whole [blocks, N] array).
+    # more); the 16-bit records are widened inside it (two reductions of one widened
+    # copy made XLA write that int32 copy of the whole [programs, N] array).
     col_counts, most = lax.reduce(
-        ((info % (block_rows + 1)).astype(_I32), info),
+        ((info % (launch.rows + 1)).astype(_I32), info),
         (jnp.zeros((), _I32), jnp.zeros((), info.dtype)),
         lambda a, b: (a[0] + b[0], jnp.maximum(a[1], b[1])),
         (0,),

@@ -60,7 +60,7 @@ class SparseTrainConfig:
     tail_capacities: tuple[int, ...] = (0, 256, 1024, 2048)
     impl: str = "pallas"
     fallback_block_rows: int = 2048
-    compact: CompactLaunch = CompactLaunch(block_rows=16, block_cols=256, num_warps=4)
+    compact: CompactLaunch = CompactLaunch()
     sddmm_up: RowLaunch = RowLaunch(group=2, num_warps=1, block_h=1024)
     spmm_down: RowLaunch = RowLaunch(group=4, num_warps=1, block_h=512)
     sddmm_grad: RowLaunch = RowLaunch(group=4, num_warps=1, block_h=1024)

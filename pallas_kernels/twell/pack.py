@@ -25,7 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _triton as tr
-from pallas_kernels import reference
+from pallas_kernels import bit_groups, reference
 from pallas_kernels.twell import format as fmt
 from pallas_kernels.twell.config import PackConfig
 
@@ -47,9 +47,8 @@ def _for_each_block(h_ref, pack_block, *, m, block_m, steps, ahead):
     h: the [BM, ...] block of h_ref; at: its rows (a slice of the program's rows; the
     kernels pass it to every store instead of storing through a view `o_ref.at[at]`,
     which the interpreter mis-shapes); row_ok: bool [BM], rows below M. The loads run
-    `ahead` blocks in front of the packing, so their latency hides behind it (with one
-    block per program the kernel waits on it). Loads past the last block reload it
-    (an L1 hit) rather than test a bound per element.
+    `ahead` blocks in front of the packing (`bit_groups.for_each_block`), so their
+    latency hides behind it (with one block per program the kernel waits on it).
     """
     rows = jnp.arange(block_m, dtype=jnp.int32)
     first = pl.program_id(1) * (steps * block_m)
@@ -62,26 +61,11 @@ def _for_each_block(h_ref, pack_block, *, m, block_m, steps, ahead):
         at, row_ok = block(jnp.minimum(k, steps - 1))
         return _load_block(h_ref.at[at], row_ok, whole)
 
-    if steps == 1:
-        _, row_ok = block(0)
-        pack_block(_load_block(h_ref, row_ok, whole), slice(None), row_ok)
-        return
+    def pack(k, h, carry):
+        pack_block(h, *block(k))
+        return carry
 
-    # ahead + 1 blocks live in fixed loop-carried buffers (the loop is unrolled that
-    # many times): a block's buffer is refilled right after it is packed. Rotating the
-    # buffers instead would copy registers at the end of every step, and a copy waits
-    # for the load it copies: that made deeper prefetching no faster.
-    buffers = ahead + 1
-
-    def turn(i, loaded):
-        loaded = list(loaded)
-        for j in range(buffers):
-            k = i * buffers + j
-            pack_block(loaded[j], *block(k))
-            loaded[j] = load(k + buffers)
-        return tuple(loaded)
-
-    lax.fori_loop(0, steps // buffers, turn, tuple(load(k) for k in range(buffers)))
+    bit_groups.for_each_block(load, pack, (), steps=steps, ahead=ahead)
 
 
 def _rows_of(at, block_m: int) -> jax.Array:
@@ -124,28 +108,6 @@ def _pack_kernel(w_ref, o_ref, *c_ref, m, block_m, slots, steps, ahead):
     _for_each_block(w_ref, pack_block, m=m, block_m=block_m, steps=steps, ahead=ahead)
 
 
-def _positive_bits(words: jax.Array) -> jax.Array:
-    """uint32 [BM, G, S / 2] bf16 pairs -> int32 [BM, G]: bit k = element k of the group > 0.
-
-    Two elements per instruction (SIMD within a register): a half is positive when its
-    sign bit is clear and its 15 other bits are not all zero, which `(bits & 0x7FFF) +
-    0x7FFF` carries into bit 15 of the half without touching the other half. So a +NaN
-    is an entry and a -0 or -NaN is not, as an int16 compare would say.
-    """
-    sign, rest = jnp.uint32(0x80008000), jnp.uint32(0x7FFF7FFF)
-    positive = ((words & rest) + rest) & ~words & sign  # bits 15 (element 2i) and 31 (2i + 1)
-    pairs = words.shape[-1]
-    # Word i's bits 15 / 31 go to 2i / 16 + 2i; the bits are disjoint, so a sum is an OR.
-    shift = 15 - 2 * jnp.arange(pairs, dtype=jnp.uint32)
-    folded = jnp.sum(positive >> shift, axis=-1)
-    return ((folded | (folded >> 15)) & ((1 << 2 * pairs) - 1)).astype(jnp.int32)
-
-
-def _lowest_bit(bits: jax.Array) -> jax.Array:
-    """int32: index of the lowest set bit (garbage where bits == 0)."""
-    return 31 - lax.clz(bits & -bits)
-
-
 def _pack_entries(words, o_ref, at, row_ok, tile, slots):
     """words [BM, 256 / S, S / 2] uint32 -> the entries of o_ref[at] [BM, W] uint32.
 
@@ -159,19 +121,17 @@ def _pack_entries(words, o_ref, at, row_ok, tile, slots):
     """
     block_m, n_groups, pairs = words.shape
     rows = _rows_of(at, block_m)
-    bits = _positive_bits(words)
+    bits = bit_groups.group_bits(bit_groups.positive_flags(words, 2), 2)
     per_group = lax.population_count(bits)  # [BM, G]
     count = jnp.sum(per_group, axis=1)
     before = jnp.cumsum(per_group, axis=1) - per_group  # entries in earlier groups
     most = jnp.max(jnp.max(per_group, axis=1))  # one axis at a time: a 2-D max fails to lower
     column = tile * fmt.TILE + jnp.arange(n_groups, dtype=jnp.int32)[None, :] * (2 * pairs)
-    pair = jnp.arange(pairs, dtype=jnp.int32)
 
     def store_rank(r, left):
         """Stores each group's entry r (its lowest bit left) and drops that bit."""
-        element = _lowest_bit(left)
-        # The pair holding the element, picked by an in-thread reduction over the group.
-        word = jnp.sum(jnp.where(pair == (element >> 1)[..., None], words, 0), axis=-1)
+        element = bit_groups.lowest_bit(left)
+        word = bit_groups.element_word(words, element, 2)
         value = jnp.where((element & 1) == 1, word & jnp.uint32(0xFFFF0000), word << 16)
         slot = before + r + 1  # word 0 is the count
         keep = (left != 0) & (slot < slots)

@@ -21,26 +21,48 @@ from tests.pallas_kernels.sparse_train.cases import (
     zeros,
 )
 
+_LAUNCHES = {
+    "default": compaction.CompactLaunch(block_cols=128),
+    "two_rows_per_block": compaction.CompactLaunch(block_cols=128, block_m=2, steps=4, ahead=1),
+    "one_block": compaction.CompactLaunch(block_cols=256, block_m=8, steps=1, num_warps=2),
+    "groups_of_16": compaction.CompactLaunch(block_cols=128, group=16, steps=8, ahead=1),
+}
 
-@pytest.mark.parametrize("interpret", MODES)
-@pytest.mark.parametrize(
-    ("block_rows", "block_cols", "dtype"),
-    [(16, 128, jnp.bfloat16), (32, 256, jnp.bfloat16), (16, 128, jnp.float32)],
-)
-def test_compact_rows_matches_reference(interpret, block_rows, block_cols, dtype):
-    """Heavy rows past W (true counts kept), empty rows, M not a multiple of the block;
-    fp32 gates take `tile_select`'s two-reduction path."""
-    x, wg, *_ = make_inputs(0, M, H, N, 8, heavy=(3, 30), zero=(0, 39))
-    u = jnp.einsum("mh,nh->mn", x, wg, preferred_element_type=dtype)  # pre-relu, as the op
-    ell_ref, fired_ref, _ = compaction.compact_rows_ref(jax.nn.relu(u), 16)
-    launch = compaction.CompactLaunch(block_rows, block_cols, num_warps=4)
-    ell, fired, finite = compaction.compact_rows(u, width=16, launch=launch, interpret=interpret)
+
+def _assert_matches_reference(u, width, launch, interpret):
+    ell_ref, fired_ref, _ = compaction.compact_rows_ref(jax.nn.relu(u), width)
+    ell, fired, finite = compaction.compact_rows(u, width=width, launch=launch, interpret=interpret)
     np.testing.assert_array_equal(ell.counts, ell_ref.counts)
     np.testing.assert_array_equal(ell.cols, ell_ref.cols)
     np.testing.assert_array_equal(f32(ell.vals), f32(ell_ref.vals))
+    np.testing.assert_array_equal(ell.col_counts, ell_ref.col_counts)
     np.testing.assert_array_equal(fired, fired_ref)
-    assert int(ell.counts[3]) > 16 and int(ell.counts[0]) == 0
     assert bool(finite)
+    return ell
+
+
+@pytest.mark.parametrize("interpret", MODES)
+@pytest.mark.parametrize("launch", list(_LAUNCHES), ids=str)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
+def test_compact_rows_matches_reference(interpret, launch, dtype):
+    """Heavy rows past W (true counts kept, left out of the column counts), empty rows,
+    M = 40 not a multiple of a program's rows; fp32 gates hold one element per word."""
+    x, wg, *_ = make_inputs(0, M, H, N, 8, heavy=(3, 30), zero=(0, 39))
+    u = jnp.einsum("mh,nh->mn", x, wg, preferred_element_type=dtype)  # pre-relu, as the op
+    ell = _assert_matches_reference(u, 16, _LAUNCHES[launch], interpret)
+    assert int(ell.counts[3]) > 16 and int(ell.counts[0]) == 0
+
+
+@pytest.mark.parametrize("interpret", MODES)
+def test_compact_rows_adversarial_patterns(interpret):
+    """A row with every column on (every group full), a column on in every row (a hot
+    neuron), all of a tile's columns dead, -0 (not positive) and tiny positives."""
+    x, wg, *_ = make_inputs(1, M, H, N, 4)
+    u = jnp.einsum("mh,nh->mn", x, wg, preferred_element_type=jnp.bfloat16)
+    u = u.at[:, 128:256].multiply(-1.0).at[:, 130].set(0.25).at[7].set(1.0)
+    u = u.at[11, :128].set(-0.0).at[12, 5].set(1e-30)
+    ell = _assert_matches_reference(u, 16, _LAUNCHES["default"], interpret)
+    assert int(ell.counts[7]) == N and int(ell.cols[12, 0]) <= 5
 
 
 @pytest.mark.parametrize("interpret", MODES)
@@ -51,7 +73,7 @@ def test_compact_rows_flags_nonfinite_gates(interpret, bad):
     x, wg, *_ = make_inputs(0, M, H, N, 8)
     u = jnp.einsum("mh,nh->mn", x, wg, preferred_element_type=jnp.bfloat16)
     u = u.at[5].set(jnp.where(u[5] > 0, u[5], 0)).at[5, 7].set(-1)  # a known non-positive
-    launch = compaction.CompactLaunch(16, 128, num_warps=4)
+    launch = _LAUNCHES["default"]
     clean, _, finite = compaction.compact_rows(u, width=16, launch=launch, interpret=interpret)
     assert bool(finite)
     ell, _, finite = compaction.compact_rows(
@@ -68,3 +90,16 @@ def test_compact_rows_lowers_for_cuda(verified_modules):
     fn = lambda p: compaction.compact_rows(p, width=PW, launch=launch, interpret=False)
     assert count_triton_calls(fn, zeros((PM, PN))) == 1
     assert len(verified_modules) == 1
+
+
+@pytest.mark.parametrize(
+    ("p", "match"),
+    [
+        (jnp.zeros((8, 256), jnp.int32), "bf16 or fp32"),
+        (jnp.zeros((256,), jnp.bfloat16), "bf16 or fp32"),
+        (jnp.zeros((8, 200), jnp.bfloat16), "block_cols=128"),
+    ],
+)
+def test_compact_rows_rejects_unsupported_inputs(p, match):
+    with pytest.raises(ValueError, match=match):
+        compaction.compact_rows(p, width=16, launch=_LAUNCHES["default"], interpret=True)

@@ -20,7 +20,10 @@ from pallas_kernels.sparse_train.compaction import CompactLaunch
         ({"spmm_dx": RowLaunch(group=3, num_warps=4, block_h=64)}, r"spmm_dx\.group=3"),
         ({"spmm_dx": RowLaunch(group=2, num_warps=3, block_h=64)}, r"spmm_dx\.num_warps=3"),
         ({"spmm_csc": RowLaunch(group=4, num_warps=2, block_h=96)}, r"spmm_csc\.block_h=96"),
-        ({"compact": CompactLaunch(12, 128, 4)}, r"compact\.block_rows=12"),
+        ({"compact": CompactLaunch(block_m=3)}, r"compact\.block_m=3"),
+        ({"compact": CompactLaunch(steps=6, ahead=3)}, r"compact\.steps=6"),
+        ({"compact": CompactLaunch(block_m=16, steps=16)}, r"compact: 256 rows"),
+        ({"compact": CompactLaunch(group=32)}, r"compact\.group=32"),
         (
             {"ell_width": 16, "sddmm_up": RowLaunch(group=32, num_warps=1, block_h=64)},
             r"multiple of sddmm_up\.group=32",
@@ -35,7 +38,7 @@ def test_bad_config_raises(kwargs, field):
 def test_default_launches():
     """The launches the op runs at production shapes (H=2048, N=5632: nothing is fitted)."""
     cfg = SparseTrainConfig()
-    assert cfg.compact == CompactLaunch(block_rows=16, block_cols=256, num_warps=4)
+    assert cfg.compact == CompactLaunch(256, group=8, block_m=1, steps=32, ahead=3, num_warps=1)
     assert cfg.sddmm_up == RowLaunch(group=2, num_warps=1, block_h=1024)
     assert cfg.spmm_down == RowLaunch(group=4, num_warps=1, block_h=512)
     assert cfg.sddmm_grad == RowLaunch(group=4, num_warps=1, block_h=1024)
