@@ -213,13 +213,11 @@ def tune(
     ),
     compact_options=(
         CompactLaunch(),
-        CompactLaunch(steps=8, ahead=1),
-        CompactLaunch(steps=16, ahead=3),
-        CompactLaunch(steps=64, ahead=3),
-        CompactLaunch(block_m=2, steps=8, ahead=3),
-        CompactLaunch(block_m=4, steps=4, ahead=1, num_warps=2),
+        CompactLaunch(block_m=16, ahead=3),
+        CompactLaunch(block_m=16, num_warps=4),
+        CompactLaunch(block_m=8, num_warps=1, ahead=3),
+        CompactLaunch(block_m=32, num_warps=4),
         CompactLaunch(group=16),
-        CompactLaunch(block_cols=128),
     ),
 ) -> list[dict]:
     """Times the kernels over launch options; one JSON-able dict per option.

@@ -43,6 +43,17 @@ def positive_flags(words: jax.Array, per_word: int) -> jax.Array:
     return positive >> (32 // per_word - 1)
 
 
+def nonfinite(words: jax.Array, per_word: int) -> jax.Array:
+    """uint32 words [...] -> uint32 [...], non-zero where an element is NaN or +-Inf.
+
+    An element's exponent bits are all ones exactly when adding one at the exponent's
+    lowest bit carries into the sign position (per half, without touching the other).
+    """
+    exponent = {1: 0x7F800000, 2: 0x7F807F80}[per_word]
+    one = {1: 0x00800000, 2: 0x00800080}[per_word]
+    return ((words & jnp.uint32(exponent)) + jnp.uint32(one)) & jnp.uint32(_SIGN[per_word])
+
+
 def group_bits(flags: jax.Array, per_word: int) -> jax.Array:
     """`positive_flags` [rows, G, Q] -> int32 [rows, G]: bit k = group element k > 0."""
     q = flags.shape[-1]
@@ -76,8 +87,8 @@ def for_each_block(load, body, carry, *, steps: int, ahead: int):
     blocks in flight live in fixed loop-carried buffers (the loop is unrolled that
     many times) and each is refilled right after its block is used: rotating them
     instead compiles to register copies, and a copy waits for the load it copies,
-    which made deeper prefetching no faster. steps must be 1 or a multiple of
-    ahead + 1.
+    which made deeper prefetching no faster. The last steps % (ahead + 1) blocks run
+    after the loop from buffers it already filled.
     """
     if steps == 1:
         return body(0, load(0), carry)
@@ -92,5 +103,9 @@ def for_each_block(load, body, carry, *, steps: int, ahead: int):
             loaded[j] = load(k + buffers)
         return tuple(loaded), carry
 
+    turns = steps // buffers
     first = tuple(load(k) for k in range(buffers))
-    return lax.fori_loop(0, steps // buffers, turn, (first, carry))[1]
+    loaded, carry = lax.fori_loop(0, turns, turn, (first, carry))
+    for j in range(steps % buffers):
+        carry = body(turns * buffers + j, loaded[j], carry)
+    return carry

@@ -1,14 +1,11 @@
 """Compaction (docs/design.md §6.1): the dense gate [M, N] -> ELL rows of width W with
 true counts, per-column ELL counts and the fired neurons.
 
-Two passes over the gate: XLA counts the positives of every (row, column tile) and
-takes their exclusive prefix along the row; then one Pallas program per (tile, rows)
-writes its entries at those offsets. It walks its rows a few at a time with the next
-blocks' loads in flight, and finds each group of columns' entries as set bits
-(`bit_groups`, as the TwELL pack does), so it reads the gate near HBM speed. A
-single pass that walks N per row block would serialise N / block_cols dependent steps
-per program.
-`compact_rows_ref` is the plain-jnp twin.
+One pass over the gate: a Pallas program per block of rows walks the column tiles in
+order, carrying each row's entry count so far, with the next tiles' loads in flight.
+It reads each tile as uint32 words and finds each group of columns' entries as set
+bits (`bit_groups`, as the TwELL pack does), so no per-element keys and no scatter of
+the whole tile. `compact_rows_ref` is the plain-jnp twin.
 """
 
 from __future__ import annotations
@@ -27,36 +24,28 @@ from pallas_kernels.sparse_train._launch import iota
 from pallas_kernels.sparse_train.format import EllRows, col_dtype
 
 _I32 = jnp.int32
-# Added to a (row, tile) count per non-finite gate value: a power of two above any
-# count (N < 2**20), so count = marked & (_NONFINITE - 1).
-_NONFINITE = 1 << 20
 # The dense gate is read once: stream it past L2.
 _STREAM = "evict_first"
 
 
 @dataclasses.dataclass(frozen=True)
 class CompactLaunch:
-    """Launch of the compaction: one program per (column tile, block_m * steps rows).
+    """Launch of the compaction: one program per block of block_m rows.
 
-    block_cols: the tile's columns (a power of two; `fit` makes it divide N).
+    block_cols: columns per step of a program's walk along N (a power of two; `fit`
+      makes it divide N).
     group: columns per thread-held group, a power of two in 2..16 (`bit_groups`).
-    block_m: rows per block, a power of two; a program walks `steps` blocks of its
-      tile one after the other, the loads of the next `ahead` blocks in flight
-      (steps a multiple of ahead + 1, or 1).
+    block_m: rows per program, a power of two; also the row block of the per-column
+      records.
+    ahead: steps whose loads are in flight while one is compacted (>= 1).
     num_warps: Triton warps per program, a power of two.
     """
 
     block_cols: int = 256
     group: int = 8
-    block_m: int = 1
-    steps: int = 32
-    ahead: int = 3
-    num_warps: int = 1
-
-    @property
-    def rows(self) -> int:
-        """Rows per program: also the row block of the per-column records."""
-        return self.block_m * self.steps
+    block_m: int = 8
+    ahead: int = 1
+    num_warps: int = 2
 
     def unsupported(self, name: str) -> str | None:
         """Why this launch is invalid (naming the field as `name.field`), or None."""
@@ -66,66 +55,66 @@ class CompactLaunch:
                 return f"{name}.{field}={v} must be a power of two"
         if not 2 <= self.group <= 16 or self.block_cols < self.group:
             return f"{name}.group={self.group} must be in [2, 16] and <= block_cols"
-        unrolled = self.ahead >= 1 and self.steps % (self.ahead + 1) == 0
-        if self.steps < 1 or (self.steps > 1 and not unrolled):
-            return f"{name}.steps={self.steps} must be 1 or a multiple of ahead + 1 >= 2"
-        if self.rows * (self.rows + 2) >= 2**15:
-            return f"{name}: {self.rows} rows per program overflow the int16 column records"
+        if self.ahead < 1:
+            return f"{name}.ahead={self.ahead} must be >= 1"
+        if self.block_m * (self.block_m + 2) >= 2**15:
+            return f"{name}.block_m={self.block_m} overflows the int16 column records"
         return None
 
     def fit(self, n: int) -> CompactLaunch:
         """The same launch with block_cols shrunk to the largest power of two
-        <= block_cols that divides N."""
-        return dataclasses.replace(self, block_cols=fit_block(self.block_cols, n))
+        <= block_cols that divides N (and group to at most that)."""
+        cols = fit_block(self.block_cols, n)
+        return dataclasses.replace(self, block_cols=cols, group=min(self.group, max(cols, 2)))
 
 
 def _compact_kernel(
-    w_ref, offsets_ref, totals_ref, cols_ref, vals_ref, info_ref,
+    w_ref, totals_ref, cols_ref, vals_ref, info_ref, bad_ref,
     *, m, width, launch, per_word, tiles,
 ):  # fmt: skip
-    """Program (t, i) packs the tile t of rows i * R .. (R = launch.rows).
+    """Program i compacts rows i * BM .. i * BM + BM - 1 (BM = launch.block_m).
 
-    w_ref: [R, G, Q] uint32, the program's [R, block_cols] block of the gate as words
-    (Q = group / per_word). The entries of each row's earlier tiles are counted
-    beforehand (`offsets_ref`, [T, M]; `totals_ref` [M] the row totals), so every
-    program is independent: the tile's entry k goes to slot offset + k when that is
-    below W; the last tile's program zeroes the row's slots past its total. Per column
-    it writes (R + 1) * (entries) + (entries of rows with total <= W) to info_ref
-    [programs, N / per_word] (two 16-bit records per word for bf16).
+    w_ref: [M, N / group, Q] uint32, the gate as words (Q = group / per_word). Tile t's
+    entry k of a row goes to slot (the row's entries in tiles < t) + k when that is
+    below W; slots past the row's total are zeroed at the end, and the totals go to
+    totals_ref [M]. Per (program, column) info_ref [programs, N / per_word] gets
+    (BM + 1) * entries + (entries of rows with total <= W), two 16-bit records per
+    word for bf16; bad_ref [programs] is non-zero when a gate value is NaN or +-Inf.
     """
-    block_m, steps = launch.block_m, launch.steps
-    n_rows = launch.rows
-    groups, q = w_ref.shape[1:]
-    t, i = _triton.program_id(0, tiles), _triton.program_id(1, pl.cdiv(m, n_rows))
-    first = i * n_rows
-    prog_rows = first + iota(n_rows)
-    base_all = _triton.load(
-        offsets_ref.at[jnp.full((n_rows,), t, _I32), prog_rows], mask=prog_rows < m, other=0
-    )
-    total_all = _triton.load(totals_ref.at[prog_rows], mask=prog_rows < m, other=0)
-    whole = m % n_rows == 0  # no block overhangs M: unmasked loads
-    group_col = t * launch.block_cols + iota(groups)[None, :] * launch.group
+    block_m, groups = launch.block_m, launch.block_cols // launch.group
+    q = w_ref.shape[2]
+    i = _triton.program_id(0, pl.cdiv(m, block_m))
+    rows = i * block_m + iota(block_m)
+    row_ok = rows < m
+    whole = m % block_m == 0  # no block overhangs M: unmasked loads
+    group_col = iota(groups)[None, :] * launch.group
+    word_col = iota(groups)[:, None] * q + iota(q)[None, :]
+    record_at = jnp.full((groups, q), i, _I32)
 
-    def load(k):
-        k = jnp.minimum(k, steps - 1)
-        block = w_ref.at[pl.ds(k * block_m, block_m)]
+    def load(t):
+        block = w_ref.at[
+            pl.ds(i * block_m, block_m), pl.ds(jnp.minimum(t, tiles - 1) * groups, groups)
+        ]
         if whole:
             return _triton.load(block, eviction_policy=_STREAM)
-        row_ok = first + k * block_m + iota(block_m) < m
         return _triton.load(block, mask=row_ok[:, None, None], other=0, eviction_policy=_STREAM)
 
-    def compact_block(k, words, counters):
-        rows = first + k * block_m + iota(block_m)
-        row_ok = rows < m
-        # This block's offsets and totals, picked out of the program's (loaded once).
-        pick = iota(n_rows)[None, :] == (k * block_m + iota(block_m))[:, None]
-        base = jnp.sum(jnp.where(pick, base_all[None, :], 0), axis=1)
-        total = jnp.sum(jnp.where(pick, total_all[None, :], 0), axis=1)
+    def store_records(t, flags, in_ell):
+        """(BM + 1) * entries + ELL entries of the tile's columns, as words."""
+        every = jnp.sum(flags, axis=0)
+        ell = jnp.sum(jnp.where(in_ell[:, None, None], flags, 0), axis=0)
+        _triton.store(
+            info_ref.at[record_at, t * groups * q + word_col], every * (block_m + 1) + ell
+        )
+
+    def compact_tile(t, words, carry):
+        before, bad = carry
         flags = bit_groups.positive_flags(words, per_word)
         bits = bit_groups.group_bits(flags, per_word)
         per_group = lax.population_count(bits)  # [BM, G]
-        slot0 = base[:, None] + jnp.cumsum(per_group, axis=1) - per_group
+        slot0 = before[:, None] + jnp.cumsum(per_group, axis=1) - per_group
         most = jnp.max(jnp.max(per_group, axis=1))  # one axis at a time (lowering)
+        col0 = t * launch.block_cols + group_col
 
         def store_rank(r, left):
             element = bit_groups.lowest_bit(left)
@@ -139,38 +128,43 @@ def _compact_kernel(
             ok = (left != 0) & (slot < width)
             slot = jnp.where(ok, slot, width)  # masked lanes: an out-of-range slot
             at = (rows[:, None], slot)
-            _triton.store(cols_ref.at[at], (group_col + element).astype(cols_ref.dtype), mask=ok)
+            _triton.store(cols_ref.at[at], (col0 + element).astype(cols_ref.dtype), mask=ok)
             _triton.store(vals_ref.at[at], value, mask=ok)
             return left & (left - 1)
 
         lax.fori_loop(0, most, store_rank, bits)
+        # Records as if every row stayed within W; a program with a longer row
+        # rewrites them below, once its totals are known.
+        store_records(t, flags, jnp.ones((block_m,), jnp.bool_))
+        odd = bit_groups.nonfinite(words, per_word)
+        bad = bad | jnp.max(jnp.max(jnp.max(odd, axis=2), axis=1))
+        return before + jnp.sum(per_group, axis=1), bad
 
-        @pl.when(t == tiles - 1)
-        def _zero_unused_slots():
-            s = jnp.broadcast_to(iota(width)[None, :], (block_m, width))
-            rows_w = jnp.broadcast_to(rows[:, None], (block_m, width))
-            unused = (s >= total[:, None]) & row_ok[:, None]
-            _triton.store(
-                cols_ref.at[rows_w, s], jnp.zeros((block_m, width), cols_ref.dtype), mask=unused
-            )
-            _triton.store(
-                vals_ref.at[rows_w, s], jnp.zeros((block_m, width), vals_ref.dtype), mask=unused
-            )
-
-        every, in_ell = counters
-        ell_rows = (total <= width)[:, None, None]
-        every = every + jnp.sum(flags, axis=0)
-        in_ell = in_ell + jnp.sum(jnp.where(ell_rows, flags, 0), axis=0)
-        return every, in_ell
-
-    zero = jnp.zeros((groups, q), jnp.uint32)
-    every, in_ell = bit_groups.for_each_block(
-        load, compact_block, (zero, zero), steps=steps, ahead=launch.ahead
+    carry = (jnp.zeros((block_m,), _I32), jnp.zeros((), jnp.uint32))
+    total, bad = bit_groups.for_each_block(
+        load, compact_tile, carry, steps=tiles, ahead=launch.ahead
     )
-    # Each 16-bit half stays below 2**15 (`CompactLaunch.unsupported`): no carries.
-    info = every * (n_rows + 1) + in_ell
-    word_col = (t * groups + iota(groups)[:, None]) * q + iota(q)[None, :]
-    _triton.store(info_ref.at[jnp.full((groups, q), i, _I32), word_col], info)
+    _triton.store(totals_ref.at[rows], total, mask=row_ok)
+    _triton.store(bad_ref.at[jnp.full((1,), i, _I32)], jnp.full((1,), bad, jnp.uint32))
+    s = jnp.broadcast_to(iota(width)[None, :], (block_m, width))
+    rows_w = jnp.broadcast_to(rows[:, None], (block_m, width))
+    unused = (s >= total[:, None]) & row_ok[:, None]
+    zeros = jnp.zeros((block_m, width), cols_ref.dtype)
+    _triton.store(cols_ref.at[rows_w, s], zeros, mask=unused)
+    _triton.store(vals_ref.at[rows_w, s], jnp.zeros((block_m, width), vals_ref.dtype), mask=unused)
+
+    in_ell = total <= width
+
+    @pl.when(jnp.min(in_ell.astype(_I32)) == 0)
+    def _rewrite_records():
+        # Rare: rows past W go to the dense tail and leave the column counts. The same
+        # reduction layout as the first records, so each thread rewrites its own words.
+        def tile(t, _):
+            flags = bit_groups.positive_flags(load(t), per_word)
+            store_records(t, flags, in_ell)
+            return _
+
+        lax.fori_loop(0, tiles, tile, 0)
 
 
 def compact_rows(
@@ -187,15 +181,16 @@ def compact_rows(
         p: [M, N] bf16 or fp32 gate pre-activations U (or relu(U)); entries > 0 are
             the pattern and their values are P = relu(U).
         width: W (a power of two).
-        launch: the tile and blocks (N must be a multiple of launch.block_cols).
+        launch: the blocks (N must be a multiple of launch.block_cols).
         impl: "pallas" or "xla" (`compact_rows_ref`).
         interpret: Pallas interpret mode (None: interpret unless on a GPU).
 
     Returns:
         (EllRows with true counts and per-column ELL counts, fired bool [N],
         all_finite bool scalar: no gate value is NaN or +-Inf). Slots at or past a
-        row's count hold zeros. NaN and -Inf are not positive; with any non-finite
-        gate the ELL part is not meaningful (callers run densely then).
+        row's count hold zeros. With any non-finite gate the ELL part is not
+        meaningful (callers run densely then; the kernel counts a +NaN as an entry,
+        the reference does not).
 
     Raises:
         ValueError: p is not a 2-D bf16 / fp32 array, or N, W or the launch are
@@ -213,58 +208,47 @@ def compact_rows(
         )
     if reason:
         raise ValueError(f"compact_rows: {reason}")
-    tiles = n // launch.block_cols
-    # One XLA pass over the gate counts the positives and flags non-finite values (a
-    # large marker each, masked off the counts), so the caller's finiteness check of
-    # x and W_gate costs no second read of an [M, N] or [M, H] array.
-    marked = jnp.where(jnp.isfinite(p), (p > 0).astype(_I32), _NONFINITE)
-    marked = jnp.sum(marked.reshape(m, tiles, launch.block_cols), axis=2, dtype=_I32)
-    all_finite = jnp.all(marked < _NONFINITE)
-    tile_counts = marked & (_NONFINITE - 1)
-    ends = jnp.cumsum(tile_counts, axis=1, dtype=_I32)
-    totals = ends[:, -1]
     per_word = bit_groups.elements_per_word(p.dtype)
     q = launch.group // per_word
-    # Free (row-major) views: the gate as uint32 words, each (rows, tile) block [G, Q].
+    # A free (row-major) view: the gate as uint32 words in groups [M, N / group, Q].
     words = lax.bitcast_convert_type(p.reshape(m, n // per_word, per_word), jnp.uint32)
     words = words.reshape(m, n // launch.group, q)
-    programs = pl.cdiv(m, launch.rows)
+    programs = pl.cdiv(m, launch.block_m)
     kernel = functools.partial(
-        _compact_kernel, m=m, width=width, launch=launch, per_word=per_word, tiles=tiles
+        _compact_kernel,
+        m=m,
+        width=width,
+        launch=launch,
+        per_word=per_word,
+        tiles=n // launch.block_cols,
     )
-    cols, vals, info = _triton.pallas_call(
+    totals, cols, vals, info, bad = _triton.pallas_call(
         kernel,
         out_shape=(
+            jax.ShapeDtypeStruct((m,), _I32),
             jax.ShapeDtypeStruct((m, width), col_dtype(n)),
             jax.ShapeDtypeStruct((m, width), p.dtype),
             jax.ShapeDtypeStruct((programs, n // per_word), jnp.uint32),
+            jax.ShapeDtypeStruct((programs,), jnp.uint32),
         ),
-        grid=(tiles, programs),
-        in_specs=[
-            pl.BlockSpec(
-                (launch.rows, launch.block_cols // launch.group, q), lambda t, i: (i, t, 0)
-            ),
-            pl.no_block_spec,
-            pl.no_block_spec,
-        ],
-        out_specs=(pl.no_block_spec,) * 3,
+        grid=(programs,),
         compiler_params=_triton.compiler_params(num_warps=launch.num_warps, num_stages=1),
         interpret=_triton.resolve_interpret(interpret),
         name="twell_compact_rows",
-    )(words, (ends - tile_counts).T, totals)
+    )(words)
     if per_word == 2:  # two 16-bit records per word, the lower column in the low half
         info = lax.bitcast_convert_type(info, jnp.uint16).reshape(programs, n)
-    # info = (R + 1) * entries + ELL entries. One variadic reduction over the row
+    # info = (BM + 1) * entries + ELL entries. One variadic reduction over the row
     # blocks gives both per-column numbers (two reductions cost a launch and a pass
     # more); the 16-bit records are widened inside it (two reductions of one widened
     # copy made XLA write that int32 copy of the whole [programs, N] array).
     col_counts, most = lax.reduce(
-        ((info % (launch.rows + 1)).astype(_I32), info),
+        ((info % (launch.block_m + 1)).astype(_I32), info),
         (jnp.zeros((), _I32), jnp.zeros((), info.dtype)),
         lambda a, b: (a[0] + b[0], jnp.maximum(a[1], b[1])),
         (0,),
     )
-    return EllRows(totals, cols, vals, col_counts), most > 0, all_finite
+    return EllRows(totals, cols, vals, col_counts), most > 0, jnp.all(bad == 0)
 
 
 def compact_rows_ref(p: jax.Array, width: int) -> tuple[EllRows, jax.Array]:

@@ -152,7 +152,7 @@ def _forward(static: _Static, x, wg, wu, wd):
         plan = fmt.plan_tail(ell.counts, width, caps)
         ell_count = fmt.ell_counts(ell.counts, width)
     # Non-finite inputs run the dense formula, which propagates NaN/Inf exactly as the
-    # reference does (the compaction reads a NaN gate as "not positive", and the SDDMM
+    # reference does (the ELL pattern of a NaN gate is not meaningful, and the SDDMM
     # never reads W_up/W_down outside the pattern). The backward reads the decision from
     # the bucket in the residuals, so it is folded in there. A NaN or Inf in x or W_gate
     # makes every gate of its row or column non-finite (Inf * 0 is NaN), so the

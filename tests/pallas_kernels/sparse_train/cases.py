@@ -30,7 +30,7 @@ _DEFAULT = config.SparseTrainConfig()
 SMALL = dict(
     ell_width=16,
     tail_capacities=(0, 2, 4),
-    compact=compaction.CompactLaunch(block_cols=128, steps=8, ahead=3),
+    compact=compaction.CompactLaunch(block_cols=128, block_m=8),
     # The default warps, with groups and H blocks that split the small rows.
     **{
         name: dataclasses.replace(getattr(_DEFAULT, name), group=8, block_h=64)

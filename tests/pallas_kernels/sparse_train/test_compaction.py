@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 
 from pallas_kernels.sparse_train import compaction
 from pallas_kernels.sparse_train.config import SparseTrainConfig
@@ -23,9 +24,9 @@ from tests.pallas_kernels.sparse_train.cases import (
 
 _LAUNCHES = {
     "default": compaction.CompactLaunch(block_cols=128),
-    "two_rows_per_block": compaction.CompactLaunch(block_cols=128, block_m=2, steps=4, ahead=1),
-    "one_block": compaction.CompactLaunch(block_cols=256, block_m=8, steps=1, num_warps=2),
-    "groups_of_16": compaction.CompactLaunch(block_cols=128, group=16, steps=8, ahead=1),
+    "ahead_3_of_2_tiles": compaction.CompactLaunch(block_cols=128, block_m=8, ahead=3),
+    "one_row_per_program": compaction.CompactLaunch(block_cols=64, block_m=1, num_warps=1),
+    "groups_of_16": compaction.CompactLaunch(block_cols=64, group=16, block_m=32, num_warps=4),
 }
 
 
@@ -66,23 +67,33 @@ def test_compact_rows_adversarial_patterns(interpret):
 
 
 @pytest.mark.parametrize("interpret", MODES)
-@pytest.mark.parametrize("bad", [jnp.nan, -jnp.inf, jnp.inf])
-def test_compact_rows_flags_nonfinite_gates(interpret, bad):
-    """A non-finite gate clears all_finite; NaN and -Inf leave the counts of their
-    tile as they were (neither is positive)."""
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize(
+    ("bad", "positive"),
+    [(np.nan, True), (-np.nan, False), (-np.inf, False), (np.inf, True)],
+    ids=["+nan", "-nan", "-inf", "+inf"],
+)
+def test_compact_rows_flags_nonfinite_gates(interpret, dtype, bad, positive):
+    """A non-finite gate clears all_finite, in any program; by the sign bit, +NaN and
+    +Inf count as entries of their row and -NaN and -Inf do not."""
     x, wg, *_ = make_inputs(0, M, H, N, 8)
-    u = jnp.einsum("mh,nh->mn", x, wg, preferred_element_type=jnp.bfloat16)
-    u = u.at[5].set(jnp.where(u[5] > 0, u[5], 0)).at[5, 7].set(-1)  # a known non-positive
+    u = jnp.einsum("mh,nh->mn", x, wg, preferred_element_type=dtype)
+    u = u.at[37].set(jnp.where(u[37] > 0, u[37], 0)).at[37, 7].set(-1)  # a known non-positive
     launch = _LAUNCHES["default"]
     clean, _, finite = compaction.compact_rows(u, width=16, launch=launch, interpret=interpret)
     assert bool(finite)
-    ell, _, finite = compaction.compact_rows(
-        u.at[5, 7].set(bad), width=16, launch=launch, interpret=interpret
-    )
+    # The bit pattern itself: a device conversion may canonicalise a NaN's sign.
+    bits = np.array(bad, np.float32).view(np.uint32)
+    if dtype == jnp.bfloat16:
+        value = lax.bitcast_convert_type(jnp.uint16(bits >> 16), dtype)
+    else:
+        value = lax.bitcast_convert_type(jnp.uint32(bits), dtype)
+    u_bad = u.at[37, 7].set(value)
+    assert np.signbit(np.asarray(u_bad[37, 7], np.float32)) != positive
+    ell, _, finite = compaction.compact_rows(u_bad, width=16, launch=launch, interpret=interpret)
     assert not bool(finite)
-    assert not bool(compaction.compact_rows_ref(u.at[5, 7].set(bad), 16)[2])
-    if bad != jnp.inf:
-        np.testing.assert_array_equal(ell.counts, clean.counts)
+    assert not bool(compaction.compact_rows_ref(u_bad, 16)[2])
+    np.testing.assert_array_equal(ell.counts, clean.counts.at[37].add(int(positive)))
 
 
 def test_compact_rows_lowers_for_cuda(verified_modules):

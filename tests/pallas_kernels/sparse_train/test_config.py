@@ -21,8 +21,8 @@ from pallas_kernels.sparse_train.compaction import CompactLaunch
         ({"spmm_dx": RowLaunch(group=2, num_warps=3, block_h=64)}, r"spmm_dx\.num_warps=3"),
         ({"spmm_csc": RowLaunch(group=4, num_warps=2, block_h=96)}, r"spmm_csc\.block_h=96"),
         ({"compact": CompactLaunch(block_m=3)}, r"compact\.block_m=3"),
-        ({"compact": CompactLaunch(steps=6, ahead=3)}, r"compact\.steps=6"),
-        ({"compact": CompactLaunch(block_m=16, steps=16)}, r"compact: 256 rows"),
+        ({"compact": CompactLaunch(ahead=0)}, r"compact\.ahead=0"),
+        ({"compact": CompactLaunch(block_m=256)}, r"compact\.block_m=256 overflows"),
         ({"compact": CompactLaunch(group=32)}, r"compact\.group=32"),
         (
             {"ell_width": 16, "sddmm_up": RowLaunch(group=32, num_warps=1, block_h=64)},
@@ -38,7 +38,7 @@ def test_bad_config_raises(kwargs, field):
 def test_default_launches():
     """The launches the op runs at production shapes (H=2048, N=5632: nothing is fitted)."""
     cfg = SparseTrainConfig()
-    assert cfg.compact == CompactLaunch(256, group=8, block_m=1, steps=32, ahead=3, num_warps=1)
+    assert cfg.compact == CompactLaunch(256, group=8, block_m=8, ahead=1, num_warps=2)
     assert cfg.sddmm_up == RowLaunch(group=2, num_warps=1, block_h=1024)
     assert cfg.spmm_down == RowLaunch(group=4, num_warps=1, block_h=512)
     assert cfg.sddmm_grad == RowLaunch(group=4, num_warps=1, block_h=1024)
@@ -79,4 +79,7 @@ def test_supported_names_the_launch():
     assert sparse_train_supported(64, 2048, 5632, cfg) is None
     assert "sddmm_up.block_h" in sparse_train_supported(64, 100, 5632, cfg)
     assert "compact.block_cols" in sparse_train_supported(64, 2048, 5640, cfg)
+    # 4 columns: narrower than a group, so the group shrinks with them.
+    assert cfg.compact.fit(500) == CompactLaunch(block_cols=4, group=4)
+    assert "compact.block_cols" in sparse_train_supported(64, 2048, 500, cfg)
     assert sparse_train_supported(64, 100, 5640, SparseTrainConfig(impl="xla")) is None
