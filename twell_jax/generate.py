@@ -230,7 +230,7 @@ def _compiled(
             sin,
             cache,
             cache,
-            0,
+            None,  # a prefill
             pad,
             attention=attention,
         )

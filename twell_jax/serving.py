@@ -3,6 +3,7 @@
     params = serving_params(params, cfg)      # once, before generating
     model = merge_model(graphdef, params)     # embed, final norm, head
     x, cache_k, cache_v = run_layers(model, params, x, cos, sin, cache_k, cache_v, slot, pad)
+    # slot=None: a prefill into empty caches
 
 `serving_params` re-lays a model's parameters for token-by-token decoding:
 - the stacked [L, ...] block parameters become a tuple of L per-layer trees, so that a
@@ -22,7 +23,7 @@
 The math is the model's (`twell_jax.model.Block`): the same products and rounding
 points, the q, k and v columns of one product instead of three. A one-token step runs
 its attention block (RoPE, cache update, softmax over the row's slots) through
-`pallas_kernels.decode_attention`, and a prefill (S tokens written from slot 0)
+`pallas_kernels.decode_attention`, and a prefill (`slot=None`: S tokens from slot 0)
 through `pallas_kernels.prompt_attention`: one flash-attention kernel per layer on a
 GPU in bf16, XLA's attention ops otherwise.
 """
@@ -79,9 +80,10 @@ def merge_model(graphdef: nnx.GraphDef, params: Params):
 
 def _attention(att: Params, x, cos, sin, cache_k, cache_v, slot, pad, cfg: ModelConfig, impl):
     """The attention block's core for normed x [B, S, H]: (o [B, S, nH D], cache_k,
-    cache_v), the new keys / values written to slots slot..slot+S-1."""
+    cache_v), the new keys / values written to slots slot..slot+S-1 (0..S-1 when slot
+    is None: a prefill)."""
     y = jnp.einsum("bsh,fh->bsf", x, att["wqkv"].astype(x.dtype))
-    if x.shape[1] > 1 and isinstance(slot, int) and slot == 0:  # a prefill
+    if slot is None:  # a prefill: the prompt's own slots 0..S-1
         return prompt_attention(y, cos, sin, cache_k, cache_v, pad, n_heads=cfg.n_heads, impl=impl)
     if x.shape[1] > 1:
         return cached_attention(y, cos, sin, cache_k, cache_v, slot, pad, cfg.n_heads)
@@ -99,8 +101,9 @@ def run_layers(model, params: Params, x, cos, sin, cache_k, cache_v, slot, pad, 
     params: `serving_params`' tree; its layers run unrolled.
     cos, sin: [B, S, D / 2] RoPE angles of the rows' positions.
     cache_k, cache_v: L-tuples of [B, T, nKV, D] caches, one buffer per layer.
-    slot: int32 scalar (the Python int 0 for a prefill); pad: int32 [B], each row's
-      first real slot.
+    slot: int32 scalar, the first new slot; None for a prefill, the prompt written to
+      slots 0..S-1 of an empty cache and attended by the prompt-attention kernel over
+      those slots only. pad: int32 [B], each row's first real slot.
     attention: the impl of `decode_attention` for one-token steps and of
       `prompt_attention` for a prefill ("auto": the kernels on a GPU in bf16).
     Returns (final-norm hidden states [B, S, H], cache_k, cache_v).

@@ -43,8 +43,9 @@ def test_layout_stacks_qkv_with_h_last_and_casts_matrices_only(gqa):
 
 
 def test_run_layers_is_the_model_forward_in_fp32():
-    """With no cache history (slot 0, causal mask over the prompt), the layer stack is
-    the model's body, to fp32 rounding."""
+    """A prefill (slot None: no cache history, causal mask over the prompt) and a chunk
+    written at a traced slot 0 (XLA's attention over the whole cache) are both the
+    model's body, to fp32 rounding."""
     cfg = small_model(n_kv_heads=2, dtype="float32", init_std=0.2)
     params = init_params(cfg, seed=4)
     tokens = jax.random.randint(jax.random.key(0), (2, 8), 0, cfg.vocab_size)
@@ -57,8 +58,10 @@ def test_run_layers_is_the_model_forward_in_fp32():
     cache = (jnp.zeros((b, s, cfg.kv_heads, cfg.head_dim), jnp.float32),) * cfg.n_layers
     x = jnp.take(sp["embed"], tokens, axis=0)
     pad = jnp.zeros((b,), jnp.int32)
-    got, cache_k, _ = serving.run_layers(model, sp, x, cos, sin, cache, cache, 0, pad)
+    got, cache_k, _ = serving.run_layers(model, sp, x, cos, sin, cache, cache, None, pad)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    chunk, _, _ = serving.run_layers(model, sp, x, cos, sin, cache, cache, jnp.int32(0), pad)
+    np.testing.assert_allclose(np.asarray(chunk), np.asarray(want), rtol=1e-5, atol=1e-5)
     assert len(cache_k) == cfg.n_layers
     assert all(float(jnp.abs(c).sum()) > 0 for c in cache_k)  # every layer's keys written
 
@@ -85,7 +88,7 @@ def test_one_token_step_through_the_attention_kernel_matches_xla(gqa):
     sp, model, tokens, pad, cos, sin, cache = _left_padded_prompt(cfg, params, 8, 12, (0, 3, 7))
     p = tokens.shape[1]
     embed = lambda ids: jnp.take(sp["embed"], ids, axis=0)
-    _, ck, cv = serving.run_layers(model, sp, embed(tokens), cos, sin, cache, cache, 0, pad)
+    _, ck, cv = serving.run_layers(model, sp, embed(tokens), cos, sin, cache, cache, None, pad)
     slot = jnp.int32(p)
     cos1, sin1 = M.rope_angles((slot - pad)[:, None], cfg.head_dim, cfg.rope_theta)
     new = embed(tokens[:, -1:])
@@ -111,7 +114,7 @@ def test_prefill_through_the_prompt_kernel_matches_xla(gqa):
     p = tokens.shape[1]
     x = jnp.take(sp["embed"], tokens, axis=0)
     outs = {
-        impl: serving.run_layers(model, sp, x, cos, sin, cache, cache, 0, pad, attention=impl)
+        impl: serving.run_layers(model, sp, x, cos, sin, cache, cache, None, pad, attention=impl)
         for impl in ("xla", "interpret")
     }
     (want, want_k, want_v), (got, got_k, got_v) = outs["xla"], outs["interpret"]
