@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from absl import app, flags
 
 # experiments/benchmark.py reads the synthetic MLP from here; its home is twell_jax.synthetic.
 
@@ -318,3 +319,11 @@ def write_cases(doc: str, cases: dict, out: str) -> None:
     if out:
         with open(out, "w") as f:
             json.dump(res, f, indent=1)
+
+
+def main_writing_cases(doc: str, run: Callable[[], dict]) -> None:
+    """The absl entry point of a standalone benchmark module: `--out`, then
+    `write_cases(doc, run(), --out)`. The flag is defined here, when the module runs
+    as __main__, so modules that import one another never define it twice."""
+    out = flags.DEFINE_string("out", "", "JSON output path (default: print only).")
+    app.run(lambda argv: write_cases(doc, run(), out.value))

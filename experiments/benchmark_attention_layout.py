@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from absl import app, flags
 
 from experiments import bench_util as bu
 
-_OUT = flags.DEFINE_string("out", "", "JSON output path (default: print only).")
 LAYERS = 8
 H, HEADS, HEAD_DIM = 2048, 32, 64
 
@@ -60,10 +58,5 @@ def run() -> dict:
     return res
 
 
-def main(argv):
-    del argv
-    bu.write_cases(__doc__, run(), _OUT.value)
-
-
 if __name__ == "__main__":
-    app.run(main)
+    bu.main_writing_cases(__doc__, run)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from absl import app, flags
 
 from experiments import bench_util as bu
 from pallas_kernels.decode_attention import DecodeAttentionConfig, decode_attention
@@ -62,12 +61,5 @@ def run() -> dict:
     return res
 
 
-def main(argv):
-    del argv
-    bu.write_cases(__doc__, run(), flags.FLAGS.out)
-
-
 if __name__ == "__main__":
-    # Defined here, not at import: benchmark_attention_layout has its own --out.
-    flags.DEFINE_string("out", "", "JSON output path (default: print only).")
-    app.run(main)
+    bu.main_writing_cases(__doc__, run)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from absl import app, flags
 
 from experiments import bench_util as bu
 from pallas_kernels.prompt_attention import PromptAttentionConfig, prompt_attention
@@ -57,11 +56,5 @@ def run() -> dict:
     return res
 
 
-def main(argv):
-    del argv
-    bu.write_cases(__doc__, run(), flags.FLAGS.out)
-
-
 if __name__ == "__main__":
-    flags.DEFINE_string("out", "", "JSON output path (default: print only).")
-    app.run(main)
+    bu.main_writing_cases(__doc__, run)
