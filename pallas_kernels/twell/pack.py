@@ -114,7 +114,7 @@ def _pack_entries(words, o_ref, at, row_ok, tile, slots):
     Returns the rows' true counts, int32 [BM] (the caller stores the count words).
 
     Each thread holds whole groups: a group's entries are the set bits of one int32
-    (`_positive_bits`), so the count is a popcount and entry r of every group is its
+    (`bit_groups.group_bits`), so the count is a popcount and entry r of every group is its
     r-th lowest bit. Round r scatters entry r of all groups of the block at once (word
     = entries in earlier groups + r + 1); a block needs as many rounds as its busiest
     group has entries (one or two at ~0.5% density).

@@ -53,3 +53,25 @@ def test_element_word_and_lowest_bit():
     np.testing.assert_array_equal(element, [[3, 1, 0]])
     np.testing.assert_array_equal(bit_groups.element_word(words, element, 2), [[1, 4, 8]])
     np.testing.assert_array_equal(bit_groups.element_word(words, element, 1), [[3, 5, 8]])
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3, 5, 7, 8])
+@pytest.mark.parametrize("ahead", [1, 2, 3])
+def test_for_each_block_visits_every_block_once_in_order(steps, ahead):
+    """Full turns of ahead + 1 blocks, then the remainder from the buffers they filled;
+    loads past the last block are clamped by the caller and never used."""
+
+    def load(k):
+        return jnp.minimum(k, steps - 1) * 10
+
+    # The loop index is traced inside lax.fori_loop: record the visits in the carry.
+    def body(k, block, carry):
+        order, count = carry
+        return order.at[count].set(k * 1000 + block), count + 1
+
+    order, count = bit_groups.for_each_block(
+        load, body, (jnp.full((16,), -1), jnp.int32(0)), steps=steps, ahead=ahead
+    )
+    assert int(count) == steps
+    want = [k * 1000 + k * 10 for k in range(steps)]
+    np.testing.assert_array_equal(np.asarray(order[:steps]), want)
