@@ -189,6 +189,11 @@ _FIELDS = {
     "ffn_impl": ("model.ffn_impl", flags.DEFINE_string, "dense | twell | sparse."),
     "ffn_variant": ("model.ffn_variant", flags.DEFINE_string, "gated_relu | relu | gated_silu."),
     "remat": ("model.remat", flags.DEFINE_bool, "Rematerialise layers in the backward pass."),
+    "sparse_save_residuals": (
+        "model.sparse_save_residuals",
+        flags.DEFINE_bool,
+        "With remat, keep the sparse FFN's ELL residuals (or recompute them: less memory).",
+    ),
     "dtype": ("model.dtype", flags.DEFINE_string, "Compute dtype."),
     "seed": ("seed", flags.DEFINE_integer, "Init and data-order seed."),
     "log_every": ("log_every", flags.DEFINE_integer, "Steps between progress lines."),

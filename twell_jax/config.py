@@ -63,6 +63,11 @@ class ModelConfig:
         token with more positive gate entries in a layer goes to the dense tail. The
         ELL residuals the remat policy keeps for the backward take 6 W bytes per token
         per layer (12.6 MB at W=128 and 16384 tokens); any `SparseTrainConfig.ell_width`.
+      sparse_save_residuals: with remat and ffn_impl="sparse", keep those ELL
+        residuals for the backward (True) or recompute them with the rest of the layer
+        (False, as the dense FFN recomputes its activations): 6 W bytes per token per
+        layer less at the peak, at the cost of running the layer's sparse forward
+        again in the backward. The gradients are the same either way.
       dtype: compute dtype name.
       param_dtype: master parameter dtype name.
       remat: rematerialise every layer in the backward pass.
@@ -87,6 +92,8 @@ class ModelConfig:
     # at ~29 nnz, where C=8 recomputes 0.04% of (token, tile) pairs.
     twell_compression: int = 2
     sparse_ell_width: int = 128
+    # A saved config without this key means True: `ADDED_FIELD_DEFAULTS`.
+    sparse_save_residuals: bool = True
     dtype: str = "bfloat16"
     param_dtype: str = "float32"
     remat: bool = False

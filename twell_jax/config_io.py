@@ -68,6 +68,7 @@ MISSING = "<missing>"
 # unchunked loss of earlier runs.
 ADDED_FIELD_DEFAULTS = {
     "model.n_kv_heads": None,
+    "model.sparse_save_residuals": True,
     "sparsity.sparse_switch": "l0",
     "ce_chunk_tokens": 4096,
 }

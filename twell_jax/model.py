@@ -236,8 +236,9 @@ class Block(nnx.Module):
 
 def _remat_policy(cfg: ModelConfig) -> Callable | None:
     """Remat policy of a layer: keep the sparse op's small ELL residuals (docs/design.md
-    §6.4) rather than recompute them; recompute everything on the other paths."""
-    if cfg.ffn_impl != "sparse":
+    §6.4) rather than recompute them, unless `sparse_save_residuals` is off; recompute
+    everything on the other paths."""
+    if cfg.ffn_impl != "sparse" or not cfg.sparse_save_residuals:
         return None
     return jax.checkpoint_policies.save_only_these_names(pallas_kernels.RESIDUALS_NAME)
 

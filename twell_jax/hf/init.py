@@ -17,8 +17,9 @@ The run's ModelConfig, field by field:
 - seq_len is the flags' (or the preset's): an explicit value above
   max_position_embeddings is a ValueError, the preset's is lowered to it;
 - the rest comes from the flags (`FLAG_FIELDS`: ffn_impl, twell_compression,
-  sparse_ell_width, dtype, param_dtype, remat). The checkpoint's dtype only says how its
-  tensors are stored: they are read into param_dtype, the master copy is fp32.
+  sparse_ell_width, sparse_save_residuals, dtype, param_dtype, remat). The
+  checkpoint's dtype only says how its tensors are stored: they are read into
+  param_dtype, the master copy is fp32.
 
 Tokens: the run reads a corpus prepared beforehand (`experiments.prepare_data`). If the
 HF directory holds a tokenizer.json that `twell_jax.tokenizer` loads, the corpus must
@@ -67,7 +68,10 @@ ARCHITECTURE_FIELDS = {
 # From config.json unless a flag or --set gives them.
 HF_DEFAULT_FIELDS = {"init_std": "initializer_range"}
 # From the flags (or the preset) alone: how the run trains, not what it trains.
-FLAG_FIELDS = ("ffn_impl", "twell_compression", "sparse_ell_width", "dtype", "param_dtype", "remat")
+FLAG_FIELDS = (
+    *("ffn_impl", "twell_compression", "sparse_ell_width", "sparse_save_residuals"),
+    *("dtype", "param_dtype", "remat"),
+)
 # seq_len: the flags', bounded by max_position_embeddings.
 SEQ_LEN_FIELD = "seq_len"
 
