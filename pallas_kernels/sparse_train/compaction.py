@@ -157,8 +157,9 @@ def _compact_kernel(
 
     @pl.when(jnp.min(in_ell.astype(_I32)) == 0)
     def _rewrite_records():
-        # Rare: rows past W go to the dense tail and leave the column counts. The same
-        # reduction layout as the first records, so each thread rewrites its own words.
+        # Only programs with a row past W (it goes to the dense tail and leaves the
+        # column counts): a second read of their tiles. The records have the same
+        # reduction layout as the first ones, so each thread rewrites its own words.
         def tile(t, _):
             flags = bit_groups.positive_flags(load(t), per_word)
             store_records(t, flags, in_ell)
@@ -174,7 +175,7 @@ def compact_rows(
     launch: CompactLaunch,
     impl: str = "pallas",
     interpret: bool | None = None,
-) -> tuple[EllRows, jax.Array]:
+) -> tuple[EllRows, jax.Array, jax.Array]:
     """Packs the positive entries of a dense gate [M, N] into ELL rows of width W.
 
     Args:
@@ -251,7 +252,7 @@ def compact_rows(
     return EllRows(totals, cols, vals, col_counts), most > 0, jnp.all(bad == 0)
 
 
-def compact_rows_ref(p: jax.Array, width: int) -> tuple[EllRows, jax.Array]:
+def compact_rows_ref(p: jax.Array, width: int) -> tuple[EllRows, jax.Array, jax.Array]:
     """`compact_rows` in plain jnp: packs the positives of a gate [M, N] into ELL rows.
 
     Args:
