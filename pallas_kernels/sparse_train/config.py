@@ -30,7 +30,8 @@ class SparseTrainConfig:
         fallback_block_rows: rows per step of the dense fallback (an unrolled loop of
             at most 16 dense blocks, larger M getting larger blocks), so that its
             [rows, N] temporaries stay far below the dense MLP's.
-        compact: the compaction's tile and warps (`compaction.compact_rows`).
+        compact: the compaction's launch: rows per program, columns per step, warps
+            (`compaction.CompactLaunch`).
         sddmm_up: forward SDDMM R = x Wu^T at the entries, T = P R
             (`row_kernels.sddmm_up`).
         spmm_down: forward row SpMM out = T Wd (`row_kernels.spmm_rows`, one term).
