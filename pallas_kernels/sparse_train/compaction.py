@@ -233,6 +233,7 @@ def compact_rows(
             jax.ShapeDtypeStruct((programs,), jnp.uint32),
         ),
         grid=(programs,),
+        # One stage: the walk prefetches its tiles itself (`bit_groups.for_each_block`).
         compiler_params=_triton.compiler_params(num_warps=launch.num_warps, num_stages=1),
         interpret=_triton.resolve_interpret(interpret),
         name="twell_compact_rows",

@@ -1,0 +1,39 @@
+"""The standalone attention benchmarks' `run` on CPU at small shapes:
+experiments.benchmark_attention_layout, benchmark_decode_attention and
+benchmark_prompt_attention."""
+
+import json
+
+from experiments import benchmark_attention_layout as bal
+from experiments import benchmark_decode_attention as bda
+from experiments import benchmark_prompt_attention as bpa
+
+
+def _run_small(monkeypatch, module, **constants) -> dict:
+    """module.run() with its shape constants replaced (a small shape: the same code
+    path); the records are JSON-able and each per-layer timeline is consistent."""
+    for name, value in constants.items():
+        monkeypatch.setattr(module, name, value)
+    res = module.run()
+    json.dumps(res)
+    for rec in res.values():  # no device kernels on a CPU: zero busy time
+        assert 0 <= rec["busy_us_per_layer"] <= rec["span_us_per_layer"] or not rec["kernels"]
+    return res
+
+
+def test_attention_layout_benchmark_times_every_layout_at_both_m(monkeypatch):
+    res = _run_small(monkeypatch, bal, H=64, HEADS=4, HEAD_DIM=16, LAYERS=2)
+    assert set(res) == {f"{name}_m{m}" for name in bal._layouts() for m in (1, 8)}
+
+
+def test_decode_attention_benchmark_times_xla_and_every_launch(monkeypatch):
+    small = {"T": 32, "HEADS": 2, "HEAD_DIM": 16, "LAYERS": 2, "BATCHES": (1,), "SLOTS": (20,)}
+    res = _run_small(monkeypatch, bda, **small, LAUNCHES=((16, 4, 3, 1), (16, 4, 3, 8)))
+    assert set(res) == {"b1_slot20_xla", "b1_slot20_t16_w4_s3_p1", "b1_slot20_t16_w4_s3_p8"}
+
+
+def test_prompt_attention_benchmark_times_xla_and_every_launch(monkeypatch):
+    small = {"HEADS": 2, "HEAD_DIM": 16, "LAYERS": 2, "PROMPTS": ((2, 24),), "NEW_TOKENS": 8}
+    launches = ((16, 16, 4, 2), (32, 16, 4, 3))
+    res = _run_small(monkeypatch, bpa, **small, MAX_PAD=5, LAUNCHES=launches)
+    assert set(res) == {"b2_s24_xla", "b2_s24_q16_k16_w4_s2", "b2_s24_q32_k16_w4_s3"}
