@@ -80,6 +80,8 @@ def _compact_kernel(
     totals_ref [M]. Per (program, column) info_ref [programs, N / per_word] gets
     (BM + 1) * entries + (entries of rows with total <= W), two 16-bit records per
     word for bf16; bad_ref [programs] is non-zero when a gate value is NaN or +-Inf.
+    The walk writes the records as if every row stayed within W; a program with a
+    longer row then reads that row's tiles again and takes its entries off them.
     """
     block_m, groups = launch.block_m, launch.block_cols // launch.group
     q = w_ref.shape[2]
@@ -91,21 +93,19 @@ def _compact_kernel(
     word_col = iota(groups)[:, None] * q + iota(q)[None, :]
     record_at = jnp.full((groups, q), i, _I32)
 
-    def load(t):
+    def load(t, rows_on):
+        """Tile t of the rows where rows_on (None: all), zeros elsewhere."""
         block = w_ref.at[
             pl.ds(i * block_m, block_m), pl.ds(jnp.minimum(t, tiles - 1) * groups, groups)
         ]
-        if whole:
+        if rows_on is None:
             return _triton.load(block, eviction_policy=_STREAM)
-        return _triton.load(block, mask=row_ok[:, None, None], other=0, eviction_policy=_STREAM)
+        mask = rows_on[:, None, None]
+        return _triton.load(block, mask=mask, other=0, eviction_policy=_STREAM)
 
-    def store_records(t, flags, in_ell):
-        """(BM + 1) * entries + ELL entries of the tile's columns, as words."""
-        every = jnp.sum(flags, axis=0)
-        ell = jnp.sum(jnp.where(in_ell[:, None, None], flags, 0), axis=0)
-        _triton.store(
-            info_ref.at[record_at, t * groups * q + word_col], every * (block_m + 1) + ell
-        )
+    def records(t):
+        """The words of tile t's records."""
+        return info_ref.at[record_at, t * groups * q + word_col]
 
     def compact_tile(t, words, carry):
         before, bad = carry
@@ -133,16 +133,17 @@ def _compact_kernel(
             return left & (left - 1)
 
         lax.fori_loop(0, most, store_rank, bits)
-        # Records as if every row stayed within W; a program with a longer row
-        # rewrites them below, once its totals are known.
-        store_records(t, flags, jnp.ones((block_m,), jnp.bool_))
+        # Records as if every row stayed within W, (BM + 2) * entries; a program with
+        # a longer row corrects them below, once its totals are known.
+        _triton.store(records(t), jnp.sum(flags, axis=0) * (block_m + 2))
         odd = bit_groups.nonfinite(words, per_word)
         bad = bad | jnp.max(jnp.max(jnp.max(odd, axis=2), axis=1))
         return before + jnp.sum(per_group, axis=1), bad
 
     carry = (jnp.zeros((block_m,), _I32), jnp.zeros((), jnp.uint32))
+    rows_on = None if whole else row_ok
     total, bad = bit_groups.for_each_block(
-        load, compact_tile, carry, steps=tiles, ahead=launch.ahead
+        lambda t: load(t, rows_on), compact_tile, carry, steps=tiles, ahead=launch.ahead
     )
     _triton.store(totals_ref.at[rows], total, mask=row_ok)
     _triton.store(bad_ref.at[jnp.full((1,), i, _I32)], jnp.full((1,), bad, jnp.uint32))
@@ -153,16 +154,21 @@ def _compact_kernel(
     _triton.store(cols_ref.at[rows_w, s], zeros, mask=unused)
     _triton.store(vals_ref.at[rows_w, s], jnp.zeros((block_m, width), vals_ref.dtype), mask=unused)
 
-    in_ell = total <= width
+    long_row = total > width  # rows past M have no entries
 
-    @pl.when(jnp.min(in_ell.astype(_I32)) == 0)
-    def _rewrite_records():
+    @pl.when(jnp.max(long_row.astype(_I32)) == 1)
+    def _correct_records():
         # Only programs with a row past W (it goes to the dense tail and leaves the
-        # column counts): a second read of their tiles. The records have the same
-        # reduction layout as the first ones, so each thread rewrites its own words.
+        # column counts): a second read of those rows' tiles, the other rows masked
+        # off (no memory traffic), and each record less the long rows' entries is
+        # (BM + 1) * entries + ELL entries. The records are read back and stored
+        # through the first pass's index, so Triton gives both the same layout and
+        # each thread rewrites the words it wrote itself. The long rows' flags sum to
+        # the same packed counters as the record's entries, and a 16-bit record is at
+        # least the entries it counts, so nothing borrows across halves.
         def tile(t, _):
-            flags = bit_groups.positive_flags(load(t), per_word)
-            store_records(t, flags, in_ell)
+            extra = jnp.sum(bit_groups.positive_flags(load(t, long_row), per_word), axis=0)
+            _triton.store(records(t), _triton.load(records(t)) - extra)
             return _
 
         lax.fori_loop(0, tiles, tile, 0)

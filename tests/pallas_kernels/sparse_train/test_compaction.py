@@ -55,6 +55,22 @@ def test_compact_rows_matches_reference(interpret, launch, dtype):
 
 
 @pytest.mark.parametrize("interpret", MODES)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
+def test_compact_rows_corrects_records_of_long_rows(interpret, dtype):
+    """Programs whose long rows leave the column counts: one long row among short ones
+    (sharing words with them), a program of only long rows, and a long row in a last
+    program that overhangs M = 37."""
+    x, wg, *_ = make_inputs(2, M, H, N, 8)
+    u = jnp.einsum("mh,nh->mn", x, wg, preferred_element_type=dtype)[:37]
+    every_third = jnp.arange(N) % 3 == 0
+    u = u.at[3, :64].set(1.0).at[8:16].set(jnp.where(every_third, u[8:16], 0.5))
+    u = u.at[35, 100:].set(2.0)
+    ell = _assert_matches_reference(u, 16, _LAUNCHES["default"], interpret)
+    long_rows = np.flatnonzero(np.asarray(ell.counts) > 16)
+    np.testing.assert_array_equal(long_rows, [3, *range(8, 16), 35])
+
+
+@pytest.mark.parametrize("interpret", MODES)
 def test_compact_rows_adversarial_patterns(interpret):
     """A row with every column on (every group full), a column on in every row (a hot
     neuron), all of a tile's columns dead, -0 (not positive) and tiny positives."""
