@@ -84,7 +84,11 @@ def dense_forward(x, wg, wu, wd, block_rows: int, row_limit: int):
     counts = RowCounts(jnp.zeros((), _F32), jnp.zeros((n,), jnp.bool_),
                        jnp.zeros((n,), jnp.int32), jnp.zeros((), jnp.int32))  # fmt: skip
     for start, size in row_blocks(x.shape[0], block_rows):
-        x_b = after(lax.slice_in_dim(x, start, start + size), out)
+        # After the previous block's sums too, not only its output: XLA's GPU scheduler
+        # otherwise left every block's reductions to the end, with all the blocks'
+        # [rows, N] hidden values and masks live at once (docs/performance_notes.md,
+        # "Training-step memory").
+        x_b = after(lax.slice_in_dim(x, start, start + size), (out, l1, counts))
         out_b, l1_b, counts_b = _block_with_counts(x_b, wg, wu, wd, row_limit)
         out = lax.dynamic_update_slice_in_dim(out, out_b, start, 0)
         l1 = l1 + l1_b

@@ -101,3 +101,26 @@ def test_row_blocks_cover_m_once():
         assert blocks[0][0] == 0 and sum(size for _, size in blocks) == m
         assert all(a + sa == b for (a, sa), (b, _) in itertools.pairwise(blocks))
         assert len(blocks) <= dense_rows.MAX_BLOCKS
+
+
+@pytest.mark.parametrize("fn", ["forward", "backward"])
+def test_each_block_waits_for_everything_the_previous_one_made(fn):
+    """Every block's inputs pass an optimization barrier with all that the blocks before
+    it produced (output rows, sums, counts; gradients in the backward), so a scheduler
+    cannot leave one block's reductions for later and keep its [rows, N] values live
+    while the next blocks run."""
+    x, wg, wu, wd = (jnp.ones(s, jnp.bfloat16) for s in [(M, H), (N, H), (N, H), (N, H)])
+    if fn == "forward":
+        jaxpr = jax.make_jaxpr(
+            lambda *a: dense_rows.dense_forward(*a, block_rows=16, row_limit=ROW_LIMIT)
+        )(x, wg, wu, wd)
+        produced = 1 + 1 + len(dense_rows.RowCounts._fields)  # out, l1, counts
+    else:
+        jaxpr = jax.make_jaxpr(lambda *a: dense_rows.dense_backward(*a, block_rows=16))(
+            x, x, wg, wu, wd, jnp.float32(0.1)
+        )
+        produced = 1 + 3  # dx, three weight gradients
+    barriers = [e for e in jaxpr.eqns if e.primitive.name == "optimization_barrier"]
+    assert len(barriers) == len(dense_rows.row_blocks(M, 16))
+    inputs = 1 if fn == "forward" else 2  # the block's x (and g_out) rows
+    assert all(len(e.invars) == inputs + produced for e in barriers)
