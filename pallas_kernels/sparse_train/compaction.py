@@ -166,10 +166,10 @@ def _compact_kernel(
         # each thread rewrites the words it wrote itself. The long rows' flags sum to
         # the same packed counters as the record's entries, and a 16-bit record is at
         # least the entries it counts, so nothing borrows across halves.
-        def tile(t, _):
+        def tile(t, carry):
             extra = jnp.sum(bit_groups.positive_flags(load(t, long_row), per_word), axis=0)
             _triton.store(records(t), _triton.load(records(t)) - extra)
-            return _
+            return carry
 
         lax.fori_loop(0, tiles, tile, 0)
 
