@@ -47,10 +47,11 @@ class DecodeConfig:
     """Launches of the two kernels (static arguments of the op).
 
     block_n: neurons per gate_up_down program; block_k: H columns per step of its gate
-      and up loops (shrunk for larger M so the pipelined tiles fit in shared memory);
-      group: active neurons whose W_up and W_down rows are gathered together; block_h:
-      H columns per step of a group's down loop (shrunk, like block_k, where the tiles
-      would not fit).
+      loop (shrunk for larger M so the pipelined tiles fit in shared memory);
+      up_block_k: H columns per step of a group's up loop (shrunk like block_k);
+      group: active neurons whose W_up and W_down rows are gathered together;
+      block_h: H columns per step of a group's down loop (shrunk, like block_k, where
+      the tiles would not fit).
     reduce_h: output columns per reduce_blocks program.
     row_products_max_m: for M up to this, the firing neurons' products are per-row
       CUDA-core dot products over whole rows of W_up and W_down, `row_group` neurons
@@ -63,6 +64,7 @@ class DecodeConfig:
 
     block_n: int = 64
     block_k: int = 256
+    up_block_k: int = 512
     group: int = 16
     block_h: int = 256
     gate_warps: int = 4
@@ -75,16 +77,16 @@ class DecodeConfig:
 
     def unsupported(self, h: int, n: int) -> str | None:
         """Why these launches cannot run d_model H and d_ff N, or None."""
-        fields = ("block_n", "block_k", "group", "block_h", "reduce_h", "gate_warps",
+        fields = ("block_n", "block_k", "up_block_k", "group", "block_h", "reduce_h", "gate_warps",
                   "reduce_warps", "row_group", "row_warps")  # fmt: skip
         for field in fields:
             if not tr.is_pow2(getattr(self, field)):
                 return f"DecodeConfig.{field}={getattr(self, field)} must be a power of two"
-        if min(self.block_n, self.block_k, self.group, self.block_h) < 16:
+        if min(self.block_n, self.block_k, self.up_block_k, self.group, self.block_h) < 16:
             return "DecodeConfig block sizes must be >= 16 (tensor-core tiles)"
         if n % self.block_n:
             return f"N={n} is not a multiple of DecodeConfig.block_n={self.block_n}"
-        for field in ("block_k", "block_h", "reduce_h"):
+        for field in ("block_k", "up_block_k", "block_h", "reduce_h"):
             if h % getattr(self, field):
                 return f"H={h} is not a multiple of DecodeConfig.{field}={getattr(self, field)}"
         return None
@@ -108,6 +110,14 @@ def _fit_block_k(cfg: DecodeConfig, mp: int) -> int:
     """block_k halved until the gate loop's stages of x and weight tiles fit."""
     bk = cfg.block_k
     while bk > 16 and cfg.gate_stages * (mp + cfg.block_n) * bk * 2 > _SMEM_BYTES:
+        bk //= 2
+    return bk
+
+
+def _fit_up_block_k(cfg: DecodeConfig, mp: int) -> int:
+    """up_block_k halved until the up loop's stages of x and W_up tiles fit."""
+    bk = cfg.up_block_k
+    while bk > 16 and cfg.gate_stages * (mp + cfg.group) * bk * 2 > _SMEM_BYTES:
         bk //= 2
     return bk
 
@@ -153,7 +163,8 @@ def _group_lanes(q, group: int, slot, active, n_active, j):
 
 
 def _gate_up_down_kernel(x_ref, wg_ref, wu_ref, wd_ref, part_ref, counts_ref, bcount_ref,
-                         bad_ref, *, mp, block_n, block_k, group, block_h, row_group):  # fmt: skip
+                         bad_ref, *, mp, block_n, block_k, up_block_k, group, block_h,
+                         row_group):  # fmt: skip
     """Program j: neurons j*block_n + [0, block_n); the outputs are `BlockShares`'."""
     m, h = x_ref.shape
     n = wg_ref.shape[0]
@@ -203,31 +214,39 @@ def _gate_up_down_kernel(x_ref, wg_ref, wu_ref, wd_ref, part_ref, counts_ref, bc
     def _():
         out_ok = jnp.broadcast_to(row_ok[:, None], (mp, block_h))
 
-        def up_down_group(q, carry):
+        def up_down_group(q, carry, *, first):
             onehot, ok, ids = _group_lanes(q, group, slot, active, n_active, j)
 
             def up_step(k, acc):
-                cols = k * block_k + tr.iota(block_k)
+                cols = k * up_block_k + tr.iota(up_block_k)
+                xk = tr.load(x_ref.at[rows[:, None], cols[None, :]], mask=row_ok[:, None], other=0)
                 wk = tr.load(wu_ref.at[ids[:, None], cols[None, :]], mask=ok[:, None], other=0)
-                return acc + _dot_t(x_piece(k), wk)
+                return acc + _dot_t(xk, wk)
 
-            u = lax.fori_loop(0, pieces, up_step, jnp.zeros((mp, group), _F32))
+            zeros = jnp.zeros((mp, group), _F32)
+            u = lax.fori_loop(0, h // up_block_k, up_step, zeros)
             sel = jnp.where(onehot, 1.0, 0.0).astype(_BF16)  # [group, block_n]
             g_ids = _dot_t(g, sel)  # g[:, ids], exact: one term per column
             hv = (g_ids * u.astype(_BF16).astype(_F32)).astype(_BF16)  # [Mp, group]
-            earlier = out_ok & (q > 0)  # a later group adds to the block's share so far
 
             def down_step(c, carry):
                 cols = c * block_h + tr.iota(block_h)
                 wd = tr.load(wd_ref.at[ids[:, None], cols[None, :]], mask=ok[:, None], other=0)
                 dst = part_ref.at[j, rows[:, None], cols[None, :]]
                 share = jnp.dot(hv, wd, preferred_element_type=_F32)
-                tr.store(dst, share + tr.load(dst, mask=earlier, other=0), mask=out_ok)
+                if not first:  # a later group adds to the block's share so far
+                    share = share + tr.load(dst, mask=out_ok, other=0)
+                tr.store(dst, share, mask=out_ok)
                 return carry
 
             return lax.fori_loop(0, h // block_h, down_step, carry)
 
-        lax.fori_loop(0, pl.cdiv(n_active, group), up_down_group, 0)
+        # The first group stores its share without reading one back: a read of the
+        # share, even one masked off, held every step of the down loop (~1.7 us of
+        # 18 at M = 8; docs/performance_notes.md, "Decode").
+        up_down_group(0, 0, first=True)
+        later = functools.partial(up_down_group, first=False)
+        lax.fori_loop(1, pl.cdiv(n_active, group), later, 0)
 
 
 def _fire_by_rows(x_ref, wu_ref, wd_ref, part_ref, g, active, slot, n_active, *, j, group):
@@ -248,11 +267,10 @@ def _fire_by_rows(x_ref, wu_ref, wd_ref, part_ref, g, active, slot, n_active, *,
     x_rows = [tr.load(x_ref.at[r, cols]) for r in range(m)]  # bf16 [H] each
     g_rows = [jnp.sum(jnp.where(rows[:, None] == r, g32, 0), axis=0) for r in range(m)]
 
-    def one_group(q, carry):
+    def one_group(q, carry, *, first):
         onehot, ok, ids = _group_lanes(q, group, slot, active, n_active, j)
         wu = tr.load(wu_ref.at[ids[:, None], cols[None, :]], mask=ok[:, None], other=0)
         wd = tr.load(wd_ref.at[ids[:, None], cols[None, :]], mask=ok[:, None], other=0)
-        earlier = jnp.broadcast_to(q > 0, (h,))  # a later group adds to the share so far
         # wu / wd stay bf16 (half the registers of [group, H] fp32 tiles); the
         # products convert them per row
         for r in range(m):
@@ -261,10 +279,13 @@ def _fire_by_rows(x_ref, wu_ref, wd_ref, part_ref, g, active, slot, n_active, *,
             hv = (g_ids * u.astype(_BF16).astype(_F32)).astype(_BF16).astype(_F32)
             share = jnp.sum(hv[:, None] * wd.astype(_F32), axis=0)  # [H] fp32
             dst = part_ref.at[j, r, cols]
-            tr.store(dst, share + tr.load(dst, mask=earlier, other=0))
+            if not first:  # a later group adds to the share so far
+                share = share + tr.load(dst)
+            tr.store(dst, share)
         return carry
 
-    lax.fori_loop(0, pl.cdiv(n_active, group), one_group, 0)
+    one_group(0, 0, first=True)  # stores without a read back, as in the tiles
+    lax.fori_loop(1, pl.cdiv(n_active, group), functools.partial(one_group, first=False), 0)
 
 
 def _row_group(cfg: DecodeConfig, m: int) -> int:
@@ -281,8 +302,9 @@ def gate_up_down(x, w_gate, w_up, w_down, cfg: DecodeConfig, *, interpret: bool)
     nb = n // cfg.block_n
     row_group = _row_group(cfg, m)
     kernel = functools.partial(
-        _gate_up_down_kernel, mp=mp, block_n=cfg.block_n, block_k=block_k, group=cfg.group,
-        block_h=_fit_block_h(cfg, mp), row_group=row_group,
+        _gate_up_down_kernel, mp=mp, block_n=cfg.block_n, block_k=block_k,
+        up_block_k=_fit_up_block_k(cfg, mp), group=cfg.group, block_h=_fit_block_h(cfg, mp),
+        row_group=row_group,
     )  # fmt: skip
     warps = cfg.row_warps if row_group else cfg.gate_warps
     out = tr.pallas_call(

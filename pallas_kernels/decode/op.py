@@ -51,8 +51,8 @@ from pallas_kernels.decode.kernels import DecodeConfig
 DTYPES = (jnp.bfloat16, jnp.float32)
 IMPLS = ("auto", "pallas", "interpret", "xla")
 # Tokens per call above which the dense formula runs. On an H200 at l0 ~ 29 and N = 5632
-# the kernels take 0.57x the dense GPU time at M = 1, 0.65x at M = 2, 0.8x at M = 4,
-# 0.95x at M = 8 and 2-3x at M = 64, where 12-28% of the neurons fire (docs/results.md,
+# the kernels take 0.56x the dense GPU time at M = 1, 0.64x at M = 2, 0.83x at M = 4
+# and 8, and 2-3x at M = 64, where 12-28% of the neurons fire (docs/results.md,
 # "Decode and generation");
 # `max_tokens` up to kernels.MAX_TOKENS still runs them.
 DEFAULT_MAX_TOKENS = 8

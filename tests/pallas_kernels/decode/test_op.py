@@ -28,10 +28,12 @@ H, N = 128, 512
 # Small launches for H = 128 (the defaults need H % 256 == 0). SMALL_GROUPS has more H
 # pieces (8) than neuron blocks (4), so some programs check two pieces of x, and up to
 # 8 up groups per block.
-SMALL = DecodeConfig(block_n=32, block_k=64, block_h=64, reduce_h=64)
+SMALL = DecodeConfig(block_n=32, block_k=64, up_block_k=32, block_h=64, reduce_h=64)
 # SMALL_GROUPS also takes its firing neurons 2 at a time where M <= 4 (row products);
 # TILES runs the tensor-core firing phase at every M (M <= 4 is where it differs).
-SMALL_GROUPS = DecodeConfig(block_n=128, block_k=16, group=16, block_h=32, reduce_h=32, row_group=2)
+SMALL_GROUPS = DecodeConfig(
+    block_n=128, block_k=16, up_block_k=32, group=16, block_h=32, reduce_h=32, row_group=2
+)
 TILES = dataclasses.replace(SMALL, row_products_max_m=0)
 IMPLS = [
     pytest.param(("interpret", SMALL), id="interpret"),
@@ -289,6 +291,8 @@ def test_launch_sizes_shrink_to_fit_shared_memory():
     cfg = DecodeConfig()  # 4 gate stages: block_k 256 up to Mp = 16 (M <= 16)
     assert [kernels._fit_block_k(cfg, mp) for mp in (16, 32, 64)] == [256, 128, 128]
     assert [kernels._fit_block_h(cfg, mp) for mp in (16, 32, 64)] == [256, 256, 256]
+    # the up loop's [Mp, up_block_k] x and [group, up_block_k] W_up tiles
+    assert [kernels._fit_up_block_k(cfg, mp) for mp in (16, 32, 64)] == [512, 256, 256]
     three = DecodeConfig(gate_stages=3)
     assert [kernels._fit_block_k(three, mp) for mp in (16, 32, 64)] == [256, 256, 128]
     wide = DecodeConfig(block_h=2048, gate_stages=3)  # the down loop's [group, block_h] tiles
