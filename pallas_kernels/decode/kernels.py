@@ -8,8 +8,8 @@ neurons where some token fires, only the rows of W_up and W_down of its firing
 neurons, `group` at a time (a compaction in registers): a group's W_up rows make its
 h columns, and its W_down rows add h_group W_down[group] to the block's fp32 share of
 the output, so each group's rows are gathered once for both products. A block where
-nothing fires writes nothing. reduce_blocks adds the shares of the blocks that fired,
-in block order (deterministic), and rounds once to bf16.
+nothing fires writes a zero share. reduce_blocks adds all blocks' shares in block
+order (deterministic) and rounds once to bf16.
 
 Why this shape: every phase after the gate waits on a memory round trip, and at
 decode sizes those round trips, not bytes, set the time; a down kernel that looked up
@@ -133,7 +133,7 @@ def _fit_block_h(cfg: DecodeConfig, mp: int) -> int:
 
 class BlockShares(NamedTuple):
     """gate_up_down's outputs. part fp32 [N / block_n, M, H]: block b's share of the
-    output (written only where block_counts[b] > 0); counts int32 [N]: tokens with a
+    output (zeros where block_counts[b] == 0); counts int32 [N]: tokens with a
     non-zero (or NaN) gate per neuron; block_counts int32 [N / block_n]: active neurons
     per block; bad int32 [H / block_k, Mp]: 1 where piece p of row r of x is not
     finite."""
@@ -202,6 +202,17 @@ def _gate_up_down_kernel(x_ref, wg_ref, wu_ref, wd_ref, part_ref, counts_ref, bc
     counts_ref[neurons] = counts
     bcount_ref[j] = n_active
     slot = jnp.cumsum(active) - 1  # an active lane's rank in the block
+
+    # A block where nothing fires writes a zero share, so that the block sum loads
+    # every share at once instead of first loading which blocks fired (one round
+    # trip to memory instead of two, docs/performance_notes.md, "Decode").
+    @pl.when(n_active == 0)
+    def _():
+        def zero_row(r, carry):
+            tr.store(part_ref.at[j, r, tr.iota(h)], jnp.zeros((h,), _F32))
+            return carry
+
+        lax.fori_loop(0, m, zero_row, 0)
 
     if row_group:
         fire = functools.partial(
@@ -323,10 +334,11 @@ def gate_up_down(x, w_gate, w_up, w_down, cfg: DecodeConfig, *, interpret: bool)
     return BlockShares(*out)
 
 
-def _reduce_kernel(part_ref, bcount_ref, bad_ref, out_ref, *, reduce_h, pieces):
-    """Program (row r, H block c): the sum over blocks that fired of part[:, r, block c],
-    NaN where row r of x is not finite. part_ref is `BlockShares.part` as [nb, M * H],
-    bad_ref `BlockShares.bad` as [pieces * Mp] (flat, so every index is one array)."""
+def _reduce_kernel(part_ref, bad_ref, out_ref, *, reduce_h, pieces):
+    """Program (row r, H block c): the sum over blocks of part[:, r, block c] (zero
+    for blocks where nothing fired), NaN where row r of x is not finite. part_ref is
+    `BlockShares.part` as [nb, M * H], bad_ref `BlockShares.bad` as [pieces * Mp]
+    (flat, so every index is one array)."""
     nb = part_ref.shape[0]
     m, h = out_ref.shape
     mp = bad_ref.shape[0] // pieces
@@ -334,9 +346,8 @@ def _reduce_kernel(part_ref, bcount_ref, bad_ref, out_ref, *, reduce_h, pieces):
     r = tr.program_id(0, m)
     c = tr.program_id(1, h // reduce_h)
     blocks = tr.iota(nbp)
-    fired = tr.load(bcount_ref.at[blocks], mask=blocks < nb, other=0) > 0
     cols = r * h + c * reduce_h + tr.iota(reduce_h)
-    mask = jnp.broadcast_to(fired[:, None], (nbp, reduce_h))
+    mask = jnp.broadcast_to((blocks < nb)[:, None], (nbp, reduce_h))
     shares = tr.load(part_ref.at[blocks[:, None], cols[None, :]], mask=mask, other=0)
     total = jnp.sum(shares, axis=0)
     p = tr.iota(tr.next_pow2(pieces))
@@ -356,4 +367,4 @@ def reduce_blocks(shares: BlockShares, cfg: DecodeConfig, *, interpret: bool) ->
         compiler_params=tr.compiler_params(cfg.reduce_warps, 1),
         interpret=interpret,
         name="decode_reduce_blocks",
-    )(shares.part.reshape(nb, m * h), shares.block_counts, shares.bad.reshape(-1))
+    )(shares.part.reshape(nb, m * h), shares.bad.reshape(-1))

@@ -12,8 +12,8 @@ that fire for some token of the call, deduplicated across the batch:
    the block and its per-neuron count of firing tokens; where some token fires, h =
    g * (x Wu^T) from a gather of the firing neurons' W_up rows, and the block's fp32
    share of the output, h W_down[block], from loads that fetch only those rows.
-2. `kernels.reduce_blocks`, one program per (row, H block): the sum of the shares of
-   the blocks that fired, in block order, rounded once.
+2. `kernels.reduce_blocks`, one program per (row, H block): the sum of the blocks'
+   shares (zero where nothing fired), in block order, rounded once.
 
 No capacity and no branch: nothing is sized by K, so nothing overflows and the host
 never waits on a device value (a `lax.switch` on K made XLA copy the branch index to
