@@ -338,6 +338,16 @@ W = jnp.zeros((256, 64), jnp.bfloat16)
         ((X, W, W, W), {"impl": "interpret"}, "H=64 is not a multiple of DecodeConfig.block_k"),
         ((X, W, W, W), {"max_tokens": 0}, r"max_tokens=0: must be in \[1, 64\]"),
         ((X, W, W, W), {"config": DecodeConfig(group=24)}, "group=24 must be a power of two"),
+        (
+            (X, W, W, W),
+            {"config": DecodeConfig(block_k=32, up_block_k=48, block_h=32, reduce_h=32)},
+            "up_block_k=48 must be a power of two",
+        ),
+        (
+            (X, W, W, W),
+            {"config": DecodeConfig(block_k=32, up_block_k=128, block_h=32, reduce_h=32)},
+            "H=64 is not a multiple of DecodeConfig.up_block_k=128",
+        ),
     ],
 )
 def test_bad_inputs_raise(args, kwargs, message):
