@@ -33,7 +33,7 @@ model decodes densely). "auto", for a model configured with ffn_impl="twell" or
 "decode", takes the faster path as measured on an H200 (docs/results.md, "Decode and
 generation"): the TwELL prefill from `AUTO_TWELL_PREFILL_TOKENS` prompt tokens up, the
 dense FFN below that; the decode op in the decode steps of batches of up to
-`AUTO_DECODE_OP_MAX_BATCH` prompts (1.28x end to end at batch 1, 1.04x at batch 8),
+`AUTO_DECODE_OP_MAX_BATCH` prompts (1.28x end to end at batch 1, 1.05x at batch 8),
 the dense FFN in larger ones; for any other model "auto" is "dense" (the
 sparse training kernels have no inference advantage over dense, as in
 `train.make_eval_step`).
