@@ -106,20 +106,21 @@ _SMEM_BYTES = 160 * 1024
 _SMEM_TOTAL_BYTES = 220 * 1024
 
 
+def _fit_columns(cfg: DecodeConfig, columns: int, tile_rows: int) -> int:
+    """columns halved until a loop's stages of bf16 [tile_rows, columns] tiles fit."""
+    while columns > 16 and cfg.gate_stages * tile_rows * columns * 2 > _SMEM_BYTES:
+        columns //= 2
+    return columns
+
+
 def _fit_block_k(cfg: DecodeConfig, mp: int) -> int:
-    """block_k halved until the gate loop's stages of x and weight tiles fit."""
-    bk = cfg.block_k
-    while bk > 16 and cfg.gate_stages * (mp + cfg.block_n) * bk * 2 > _SMEM_BYTES:
-        bk //= 2
-    return bk
+    """block_k for the gate loop's x and W_gate tiles."""
+    return _fit_columns(cfg, cfg.block_k, mp + cfg.block_n)
 
 
 def _fit_up_block_k(cfg: DecodeConfig, mp: int) -> int:
-    """up_block_k halved until the up loop's stages of x and W_up tiles fit."""
-    bk = cfg.up_block_k
-    while bk > 16 and cfg.gate_stages * (mp + cfg.group) * bk * 2 > _SMEM_BYTES:
-        bk //= 2
-    return bk
+    """up_block_k for the up loop's x and W_up tiles."""
+    return _fit_columns(cfg, cfg.up_block_k, mp + cfg.group)
 
 
 def _fit_block_h(cfg: DecodeConfig, mp: int) -> int:
@@ -175,9 +176,11 @@ def _gate_up_down_kernel(x_ref, wg_ref, wu_ref, wd_ref, part_ref, counts_ref, bc
     neurons = pl.ds(j * block_n, block_n)
     pieces = h // block_k
 
-    def x_piece(k):
-        cols = k * block_k + tr.iota(block_k)
+    def x_cols(cols):
         return tr.load(x_ref.at[rows[:, None], cols[None, :]], mask=row_ok[:, None], other=0)
+
+    def x_piece(k):
+        return x_cols(k * block_k + tr.iota(block_k))
 
     def gate_step(k, acc):
         return acc + _dot_t(x_piece(k), tr.load(wg_ref.at[neurons, pl.ds(k * block_k, block_k)]))
@@ -230,7 +233,7 @@ def _gate_up_down_kernel(x_ref, wg_ref, wu_ref, wd_ref, part_ref, counts_ref, bc
 
             def up_step(k, acc):
                 cols = k * up_block_k + tr.iota(up_block_k)
-                xk = tr.load(x_ref.at[rows[:, None], cols[None, :]], mask=row_ok[:, None], other=0)
+                xk = x_cols(cols)
                 wk = tr.load(wu_ref.at[ids[:, None], cols[None, :]], mask=ok[:, None], other=0)
                 return acc + _dot_t(xk, wk)
 
