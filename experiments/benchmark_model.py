@@ -11,17 +11,15 @@ parameters.
 from __future__ import annotations
 
 import dataclasses
-import json
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from experiments import bench_util as bu
-from twell_jax import checkpoint, input_pipeline, sharding, train, trainer
+from experiments import pretrain_run
+from twell_jax import input_pipeline, train
 from twell_jax.config import ModelConfig, TrainConfig, model_preset
-from twell_jax.config_io import train_config_from_dict
 from twell_jax.synthetic import synthetic_sparse_params
 
 
@@ -120,23 +118,14 @@ def run(
 
 
 def trained_params(workdir: str) -> tuple[TrainConfig, dict, int]:
-    """The newest checkpoint of a pretrain workdir: (its config, bf16 params, step).
+    """The newest readable checkpoint of a pretrain workdir: (its config, bf16 params,
+    step), read as `pretrain_run.load_params` reads it.
 
     Raises:
-      FileNotFoundError: no config.json or no checkpoint in `workdir`.
+      FileNotFoundError: no checkpoint in `workdir`.
     """
-    path = Path(workdir)
-    config_file = path / trainer.CONFIG_FILE
-    if not config_file.is_file():
-        raise FileNotFoundError(f"{config_file}: not a pretrain workdir (no config.json)")
-    cfg = train_config_from_dict(json.loads(config_file.read_text()))
-    mesh = sharding.make_mesh()
-    with checkpoint.Checkpointer(path / trainer.CHECKPOINT_DIR) as ckpt:
-        if ckpt.latest_step() is None:
-            raise FileNotFoundError(f"{path / trainer.CHECKPOINT_DIR}: no checkpoint")
-        restored = ckpt.restore(train.abstract_train_state(cfg, mesh))
-    params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), restored.state.params)
-    return cfg, params, restored.step
+    cfg, params, step = pretrain_run.load_params(workdir)
+    return cfg, jax.tree.map(lambda a: a.astype(jnp.bfloat16), params), step
 
 
 def run_trained(

@@ -21,27 +21,33 @@ from twell_jax.config_io import train_config_from_dict
 
 
 def load_params(workdir: str | Path) -> tuple[TrainConfig, dict[str, Any], int]:
-    """(the run's config, its newest parameters as saved (fp32 masters), that step).
+    """(the run's config, its newest readable parameters as saved (fp32 masters), that step).
 
-    The config is the one saved with that checkpoint step. The whole train state is
-    restored (the checkpoint API restores it whole: about 3x the parameters' memory,
-    optimizer moments included) onto one device; only the parameters are kept.
+    The config is the one saved with that checkpoint step. Only the parameters are read
+    (not the optimizer state), onto one device. The checkpoints are opened read-only, so
+    this is safe beside a run that is still training in `workdir`: a save in progress is
+    left alone, and an unreadable newest step is skipped (one warning) but not moved.
 
     Raises:
       FileNotFoundError: `workdir` has no checkpoints.
+      checkpoint.CheckpointCorruptError: no step's config and parameters are readable.
     """
     directory = Path(workdir) / trainer.CHECKPOINT_DIR
-    if not directory.is_dir():  # the Checkpointer would create it
+    if not directory.is_dir():
         raise FileNotFoundError(f"{directory}: not a pretrain workdir (no checkpoints)")
     # Generation and export are single-device code: restore onto the first device.
     mesh = sharding.make_mesh(1, 1, devices=jax.devices()[:1])
-    with checkpoint.Checkpointer(directory) as ckpt:
-        step = ckpt.latest_step()
-        if step is None:
+    with checkpoint.Checkpointer(directory, read_only=True) as ckpt:
+        if ckpt.latest_step() is None:
             raise FileNotFoundError(f"{directory}: no checkpoint")
-        cfg = train_config_from_dict(ckpt.saved_config(step))
-        restored = ckpt.restore(train.abstract_train_state(cfg, mesh), step)
-    return cfg, restored.state.params, restored.step
+        configs = {}
+
+        def params_target(step: int):
+            configs[step] = train_config_from_dict(ckpt.saved_config(step))
+            return train.abstract_train_state(configs[step], mesh).params
+
+        restored = ckpt.restore_params(params_target)
+    return configs[restored.step], restored.state["params"], restored.step
 
 
 def tokenizer_of_corpus(data_dir: str | Path) -> tokenizer_lib.Tokenizer:

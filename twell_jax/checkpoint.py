@@ -9,17 +9,11 @@ On resume, `restore()` compares the saved config with the current one (ignoring 
 may legitimately change, e.g. total steps) and, if the latest step cannot be read, falls back
 to the newest readable one and moves the unreadable directories aside (never deletes them),
 logging one line per step moved and writing the full error into the moved directory. What
-Orbax and TensorStore print about a failed read is held back and dropped (`_QuietReads`).
+Orbax and TensorStore print about a failed read is held back and dropped (`QuietReads`).
 """
 
-import asyncio
-import gc
-import io
-import logging as py_logging
 import os
-import sys
 import time
-import traceback
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -28,6 +22,7 @@ import jax
 import orbax.checkpoint as ocp
 from absl import logging
 
+from twell_jax.checkpoint_errors import CheckpointCorruptError, QuietReads, corrupt_error
 from twell_jax.config_io import config_diff, config_to_dict
 
 # TrainConfig fields that may differ between the saved run and the resumed one (the run
@@ -43,81 +38,10 @@ DEFAULT_IGNORE_KEYS = (
 CORRUPT_SUFFIX = ".corrupt"
 # Written into a moved-aside step directory: the full error of the failed read.
 ERROR_FILE = "restore_error.txt"
-# Longest error message kept in a log line (TensorStore's own messages are one line).
-_BRIEF_CHARS = 300
-
-
-class CheckpointCorruptError(ValueError):
-    """A checkpoint step could not be read.
-
-    The message is one line: the step, its path, the item and the innermost error's type
-    and first line. `details` holds the full error chain as text (no live objects: the
-    failed read's coroutines can then be collected at once, see `_QuietReads`).
-    """
-
-    def __init__(self, message: str, step: int | None = None, details: str = ""):
-        super().__init__(message)
-        self.step = step
-        self.details = details or message
 
 
 class ConfigMismatchError(ValueError):
     """The saved config differs from the current one; the message lists the keys."""
-
-
-class _QuietReads:
-    """Holds back what Orbax, TensorStore and asyncio print during a restore; drops it
-    if a read failed.
-
-    A failed TensorStore read abandons the other reads of the same restore on a closed
-    asyncio loop: their callbacks print "Event loop is closed" tracebacks to sys.stderr,
-    the coroutines report "Exception ignored" through sys.unraisablehook when collected,
-    and asyncio logs "Task exception was never retrieved", each with the TensorStore spec
-    (thousands of lines for one truncated step). Inside the context sys.stderr is a
-    buffer, unraisable exceptions are written into it and the asyncio logger's records
-    are held. On exit, after a `failed()` call (or a CheckpointCorruptError), the garbage
-    is collected inside the context, so the abandoned coroutines report into the buffer,
-    and everything held is dropped (counted at debug level); otherwise it is replayed.
-    Everything that writes to sys.stderr in these seconds is held too, so no log line
-    of the caller's is written inside.
-    """
-
-    def __enter__(self) -> "_QuietReads":
-        self._failed = False
-        self._buffer = io.StringIO()
-        self._records: list[py_logging.LogRecord] = []
-        self._stderr, self._unraisablehook = sys.stderr, sys.unraisablehook
-        sys.stderr, sys.unraisablehook = self._buffer, sys.__unraisablehook__
-        py_logging.getLogger(asyncio.__name__).addFilter(self._hold)
-        return self
-
-    def _hold(self, record: py_logging.LogRecord) -> bool:
-        self._records.append(record)
-        return False
-
-    def failed(self) -> None:
-        """Marks the output held so far and until exit as a failed read's: dropped."""
-        self._failed = True
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is not None and issubclass(exc_type, CheckpointCorruptError):
-            self._failed = True
-        if self._failed:
-            gc.collect()  # the abandoned read coroutines report now, into the buffer
-        asyncio_logger = py_logging.getLogger(asyncio.__name__)
-        asyncio_logger.removeFilter(self._hold)
-        sys.stderr, sys.unraisablehook = self._stderr, self._unraisablehook
-        text, records = self._buffer.getvalue(), self._records
-        if self._failed:
-            logging.debug(
-                "dropped %d lines and %d asyncio records of failed checkpoint reads",
-                text.count("\n"),
-                len(records),
-            )
-            return
-        sys.stderr.write(text)
-        for record in records:
-            asyncio_logger.handle(record)
 
 
 class Restored(NamedTuple):
@@ -138,7 +62,12 @@ class Checkpointer:
     """Saves and restores training checkpoints in one directory, keeping the last few."""
 
     def __init__(
-        self, directory: str | os.PathLike, max_to_keep: int | None = 3, async_save: bool = True
+        self,
+        directory: str | os.PathLike,
+        max_to_keep: int | None = 3,
+        async_save: bool = True,
+        *,
+        read_only: bool = False,
     ):
         """Opens (creating if needed) the checkpoint directory.
 
@@ -147,23 +76,45 @@ class Checkpointer:
           max_to_keep: keep this many newest steps; None keeps all.
           async_save: return from `save` once arrays are copied off the device and write in
             the background (call `wait()` before reading the files).
+          read_only: open an existing directory to read it, possibly beside a run that
+            is still saving into it: nothing is created, renamed or deleted (a save in
+            progress writes into a temporary directory that a writer's manager would
+            delete as a leftover), and `restore` skips unreadable steps in place.
+
+        Raises:
+          FileNotFoundError: read_only and `directory` does not exist.
         """
         self.directory = Path(directory).absolute()
+        self.read_only = read_only
+        if read_only and not self.directory.is_dir():
+            raise FileNotFoundError(f"{self.directory}: no checkpoint directory")
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep,
-            enable_async_checkpointing=async_save,
-            create=True,
+            max_to_keep=None if read_only else max_to_keep,
+            save_interval_steps=0 if read_only else 1,
+            enable_async_checkpointing=async_save and not read_only,
+            create=not read_only,
             # Leftovers of interrupted saves are never complete checkpoints; drop them.
-            cleanup_tmp_directories=True,
+            cleanup_tmp_directories=not read_only,
+            read_only=read_only,
         )
         handlers = {
-            "state": ocp.StandardCheckpointHandler(),
+            # A reader restores parts of the state (`restore_params`), which only the
+            # PyTree handler does; both read the same files.
+            "state": ocp.PyTreeCheckpointHandler()
+            if read_only
+            else ocp.StandardCheckpointHandler(),
             "data": ocp.JsonCheckpointHandler(),
             "config": ocp.JsonCheckpointHandler(),
         }
-        self._manager = ocp.CheckpointManager(
-            self.directory, options=options, item_handlers=handlers
-        )
+        # Orbax warns that a read_only manager's directory is read only: what was asked.
+        quiet = lambda record: not record.getMessage().startswith("Given directory is read only")
+        logging.get_absl_logger().addFilter(quiet)
+        try:
+            self._manager = ocp.CheckpointManager(
+                self.directory, options=options, item_handlers=handlers
+            )
+        finally:
+            logging.get_absl_logger().removeFilter(quiet)
 
     def save(
         self, step: int, state: Any, data_state: Mapping[str, Any], config: Mapping[str, Any]
@@ -234,28 +185,76 @@ class Checkpointer:
         """
         self.wait()
         abstract_state = jax.tree.map(_abstract, abstract_state)
+
+        def read(candidate: int) -> Restored:
+            return self._restore_checked(candidate, abstract_state, config, ignore_keys)
+
+        return self._newest_readable(read, step)
+
+    def restore_params(self, abstract_params: Any, step: int | None = None) -> Restored:
+        """Restores only the train state's `params` (a reader's load: generation, export),
+        without the optimizer state's reads and memory.
+
+        Args:
+          abstract_params: pytree like the saved params, leaves jax.ShapeDtypeStruct with
+            `.sharding` (or jax.Arrays); or a function of the step that returns one (say,
+            built from that step's `saved_config`, whose errors count as the step's).
+          step: as in `restore`; None takes the newest readable step.
+
+        Returns:
+          Restored(state={"params": params}, data_state={}, step).
+
+        Raises:
+          ValueError: the Checkpointer is not read_only (the writer's handler restores
+            whole states only).
+          FileNotFoundError, CheckpointCorruptError: as `restore`.
+        """
+        if not self.read_only:
+            raise ValueError("restore_params needs a read_only Checkpointer")
+
+        def read(candidate: int) -> Restored:
+            params = abstract_params(candidate) if callable(abstract_params) else abstract_params
+            target = {"params": jax.tree.map(_abstract, params)}
+            metadata = self._read(
+                candidate, "state metadata", lambda: self._manager.item_metadata(candidate)
+            )
+            _check_shapes(_shapes(metadata.state), _shapes(target), candidate)
+            args = ocp.args.Composite(state=self._state_args(target, partial=True))
+            restored = self._read(
+                candidate, "params", lambda: self._manager.restore(candidate, args=args)
+            )
+            return Restored(restored.state, {}, candidate)
+
+        return self._newest_readable(read, step)
+
+    def _newest_readable(self, read: Callable[[int], Restored], step: int | None) -> Restored:
+        """read(step), or with step None read(newest readable step): unreadable newer steps
+        are moved aside (`_quarantine`), or only skipped when read_only."""
         steps = self.all_steps()
         if step is not None:
             if step not in steps:
                 raise FileNotFoundError(
                     f"no checkpoint for step {step} in {self.directory} (steps: {steps})"
                 )
-            with _QuietReads():
-                return self._restore_checked(step, abstract_state, config, ignore_keys)
+            with QuietReads():
+                return read(step)
         if not steps:
             raise FileNotFoundError(f"no checkpoint in {self.directory}")
         errors, restored = [], None
-        with _QuietReads() as quiet:
+        with QuietReads() as quiet:
             for candidate in reversed(steps):
                 try:
-                    restored = self._restore_checked(candidate, abstract_state, config, ignore_keys)
+                    restored = read(candidate)
                     break
                 except CheckpointCorruptError as e:
                     quiet.failed()
                     errors.append(e)
         if restored is not None:
             for bad in errors:
-                self._quarantine(bad, restored.step)
+                if self.read_only:
+                    logging.warning("%s; using step %d", bad, restored.step)
+                else:
+                    self._quarantine(bad, restored.step)
             return restored
         # Every step failing suggests the target (e.g. a changed model), not the files, is at
         # fault; keep every step in place.
@@ -263,6 +262,16 @@ class Checkpointer:
             f"no step of {self.directory} could be restored (steps {steps}); newest error: "
             f"{errors[0]}"
         ) from errors[0]
+
+    def _state_args(self, target: Any, partial: bool = False):
+        """Restore args of the `state` item onto `target`'s shardings (the handler's kind:
+        `__init__`)."""
+        if not self.read_only:
+            return ocp.args.StandardRestore(target)
+        restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding), target)
+        return ocp.args.PyTreeRestore(
+            item=target, restore_args=restore_args, partial_restore=partial
+        )
 
     def wait(self) -> None:
         """Blocks until pending asynchronous saves are written (and raises their errors)."""
@@ -292,7 +301,7 @@ class Checkpointer:
         metadata = self._read(step, "state metadata", lambda: self._manager.item_metadata(step))
         _check_shapes(_shapes(metadata.state), _shapes(abstract_state), step)
         args = ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()
+            state=self._state_args(abstract_state), data=ocp.args.JsonRestore()
         )
         restored = self._read(step, "state/data", lambda: self._manager.restore(step, args=args))
         return Restored(restored.state, restored.data, step)
@@ -306,7 +315,7 @@ class Checkpointer:
         try:
             return read()
         except Exception as e:  # Orbax/TensorStore raise many types for broken files
-            error = _corrupt(step, self.directory / str(step), what, e)
+            error = corrupt_error(step, self.directory / str(step), what, e)
         raise error
 
     def _quarantine(self, error: CheckpointCorruptError, restored_step: int) -> None:
@@ -329,26 +338,6 @@ class Checkpointer:
                 restored_step,
             )
         self._manager.reload()
-
-
-def _corrupt(step: int, path: Path, what: str, e: Exception) -> CheckpointCorruptError:
-    message = f"checkpoint step {step} at {path} is unreadable ({what}): {_brief(e)}"
-    details = message + "\n\n" + "".join(traceback.format_exception(e))
-    return CheckpointCorruptError(message, step, details)
-
-
-def _brief(e: BaseException) -> str:
-    """`Type: first line` of the innermost error of `e`'s chain (TensorStore's own
-    message, e.g. "ValueError: OUT_OF_RANGE: Error reading ..."), on one short line."""
-    seen = {id(e)}
-    while (inner := e.__cause__ or e.__context__) is not None and id(inner) not in seen:
-        seen.add(id(inner))
-        e = inner
-    lines = str(e).strip().splitlines()
-    first = lines[0].split(" See full TensorStore details")[0] if lines else ""
-    if len(first) > _BRIEF_CHARS:
-        first = first[: _BRIEF_CHARS - 3] + "..."
-    return f"{type(e).__name__}: {first}"
 
 
 def _abstract(leaf: Any) -> Any:
@@ -408,5 +397,5 @@ def check_config(
         lines = "\n".join(f"  {k}: saved {a!r}, current {b!r}" for k, (a, b) in diff.items())
         raise ConfigMismatchError(
             f"config differs from {where} in {len(diff)} key(s):\n{lines}\n"
-            "use the saved config, a new checkpoint dir, or extend ignore_keys"
+            "run with the saved config, or start a new workdir"
         )

@@ -9,7 +9,8 @@ A batch of prompts of different lengths is left-padded to P tokens (the longest,
 rounded up to a multiple of `PROMPT_BUCKET`). Each
 row carries its own RoPE positions (0 at its first real token) and an attention mask
 that hides its padding, so a row generates the same tokens alone or in any batch
-(up to float rounding). One jitted prefill runs the prompts through the model, writing
+up to float rounding: in fp32; in bf16 two near-tied logits can swap with the batch
+(docs/design.md §11). One jitted prefill runs the prompts through the model, writing
 cache slots 0..P-1, and samples the first token; each jitted decode step feeds the
 last token at slot P + t. The cache is one [B, P + max_new_tokens, n_kv_heads,
 head_dim] buffer per layer in the compute dtype, updated in place (the step donates

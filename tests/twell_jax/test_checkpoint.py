@@ -3,6 +3,7 @@
 import gc
 import logging
 import shutil
+import time
 
 import jax
 import jax.numpy as jnp
@@ -38,8 +39,10 @@ def _saved(tmp_path, steps, max_to_keep=3) -> checkpoint.Checkpointer:
     return ckpt
 
 
-def _assert_state(restored, step):
-    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(_state(step)), strict=True):
+def _assert_state(restored, step, part=None):
+    """restored equals _state(step) (or its `part`), values, dtypes and shardings."""
+    want_tree = _state(step) if part is None else _state(step)[part]
+    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(want_tree), strict=True):
         assert got.dtype == want.dtype and got.sharding == SHARDING
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
@@ -179,3 +182,56 @@ def test_saved_config_reads_only_the_config(tmp_path):
         shutil.rmtree(tmp_path / "ckpt" / "1" / "config")
         with pytest.raises(checkpoint.CheckpointCorruptError, match=r"step 1 .* unreadable"):
             ckpt.saved_config(1)
+
+
+def test_a_reader_leaves_a_save_in_progress_alone(tmp_path):
+    """A read_only Checkpointer (generation, export) opened while a run is saving keeps
+    the save's temporary directory, which a writer's manager deletes as a leftover; it
+    creates nothing, and restores the whole state or the params alone."""
+    _saved(tmp_path, [1, 2]).close()
+    in_progress = tmp_path / "ckpt" / "3.orbax-checkpoint-tmp-1234567"
+    shutil.copytree(tmp_path / "ckpt" / "2", in_progress)
+    for done in in_progress.rglob("commit_success.txt"):  # not written yet
+        done.unlink()
+    with checkpoint.Checkpointer(tmp_path / "ckpt", read_only=True) as reader:
+        assert reader.all_steps() == [1, 2]
+        _assert_state(reader.restore(_abstract(_state(0))).state, 2)
+        restored = reader.restore_params(_abstract(_state(0))["params"])
+        assert restored.step == 2 and restored.data_state == {}
+        _assert_state(restored.state["params"], 2, "params")
+    assert in_progress.is_dir()
+    with pytest.raises(FileNotFoundError, match="no checkpoint directory"):
+        checkpoint.Checkpointer(tmp_path / "absent", read_only=True)
+    assert not (tmp_path / "absent").exists()
+    # A writer's manager deletes it, in the background: the contrast this test guards.
+    checkpoint.Checkpointer(tmp_path / "ckpt").close()
+    deadline = time.monotonic() + 20
+    while in_progress.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not in_progress.exists()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_reader_skips_an_unreadable_step_in_place(tmp_path, caplog):
+    """The newest step unreadable: a reader falls back to the previous one with one
+    warning and moves nothing (the run that wrote it decides); params need only the
+    params' files, so a step whose optimizer state alone is broken still loads."""
+    _saved(tmp_path, [1, 2, 3]).close()
+    (tmp_path / "ckpt" / "3" / "state" / "_METADATA").write_text("{garbled")
+    params = _abstract(_state(0))["params"]
+    with checkpoint.Checkpointer(tmp_path / "ckpt", read_only=True) as reader:
+        with caplog.at_level(logging.WARNING):
+            restored = reader.restore_params(params)
+        assert restored.step == 2
+        _assert_state(restored.state["params"], 2, "params")
+        (warning,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING
+                      and "checkpoint step" in r.getMessage()]  # fmt: skip
+        assert "step 3" in warning and "using step 2" in warning
+        assert reader.all_steps() == [1, 2, 3]
+        with pytest.raises(checkpoint.CheckpointCorruptError, match="step 3"):
+            reader.restore_params(params, step=3)
+    assert (tmp_path / "ckpt" / "3").is_dir()
+    writer = checkpoint.Checkpointer(tmp_path / "ckpt")
+    with pytest.raises(ValueError, match="read_only"):
+        writer.restore_params(params)
+    writer.close()
