@@ -8,6 +8,7 @@ import glob
 import gzip
 import json
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -324,6 +325,9 @@ def write_cases(doc: str, cases: dict, out: str) -> None:
 def main_writing_cases(doc: str, run: Callable[[], dict]) -> None:
     """The absl entry point of a standalone benchmark module: `--out`, then
     `write_cases(doc, run(), --out)`. The flag is defined here, when the module runs
-    as __main__, so modules that import one another never define it twice."""
+    as __main__, so modules that import one another never define it twice, and made a
+    key flag of that module so that its --help lists it."""
     out = flags.DEFINE_string("out", "", "JSON output path (default: print only).")
+    # absl files __main__'s flags under sys.argv[0]; --help lists that module's key flags.
+    flags.FLAGS.register_key_flag_for_module(sys.argv[0], flags.FLAGS[out.name])
     app.run(lambda argv: write_cases(doc, run(), out.value))

@@ -1,4 +1,4 @@
-"""GPU time of a decode step's attention block: XLA's ops against the kernel's launches.
+r"""GPU time of a decode step's attention block: XLA's ops against the kernel's launches.
 
     python -m experiments.benchmark_decode_attention \
         --out=results/decode_attention_kernel_h200.json

@@ -1,4 +1,4 @@
-"""End-to-end generation: prefill, then KV-cache decode, dense FFNs against sparse ones.
+r"""End-to-end generation: prefill, then KV-cache decode, dense FFNs against sparse ones.
 
     python -m experiments.benchmark --mode=generate --model_presets=1.5b \
         --generate_batch=1,8,64 --out=results/generate_1.5b_h200.json

@@ -1,4 +1,4 @@
-"""GPU time of a prefill's attention: XLA's ops against the prompt kernel's launches.
+r"""GPU time of a prefill's attention: XLA's ops against the prompt kernel's launches.
 
     python -m experiments.benchmark_prompt_attention \
         --out=results/prompt_attention_kernel_h200.json

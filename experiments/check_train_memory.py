@@ -11,10 +11,14 @@ against the dense step's. One `experiments.benchmark_train.run` record (timed on
 
 from __future__ import annotations
 
+from absl import app
+
 from experiments import benchmark_train
 
 
-def main() -> None:
+def main(argv) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     (rec,) = benchmark_train.run(
         M=16384, H=2048, N=5632, nnz_targets=(29.0,), reps=1, heavy_rows=3000, breakdown=False
     )
@@ -31,4 +35,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    app.run(main)

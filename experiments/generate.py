@@ -15,15 +15,16 @@ its bos_token_id in front unless --noadd_bos.
 
 --temperature=0 is greedy; --top_k / --top_p restrict sampling. Generation stops at
 --max_new_tokens or a stop id (--stop_ids, default the checkpoint's / tokenizer's EOS;
-"" for none). --vocab_limit (default: the tokenizer's size when below the model's
-padded vocabulary; 0: none) keeps ids the tokenizer cannot decode from being drawn.
+"" for none). --vocab_limit (at most the model's vocab_size; default: the tokenizer's
+size when below the model's padded vocabulary; 0: none) keeps ids the tokenizer cannot
+decode from being drawn.
 --ffn picks the FFN path (`twell_jax.generate`: dense; sparse = the TwELL prefill and
 the small-M decode op in the decode steps; auto = the paths measured faster on an H200
 for a model with sparse FFNs: TwELL for long prefills, the decode op up to batch 8). A single
 prompt streams its text to stdout as tokens arrive; a batch prints one line per prompt
 at the end.
---output_json writes {"prompt_ids", "new_token_ids", "text"} (lists over the batch,
-plain values for one prompt).
+--output_json (in an existing directory) writes {"prompt_ids", "new_token_ids", "text"}
+(lists over the batch, plain values for one prompt).
 
 Exit codes: 0 done, 2 refused (missing files, bad flags, an out-of-range id, a model
 the requested FFN path cannot run).
@@ -116,12 +117,16 @@ def _prompts(tok, bos: int | None) -> list[list[int]]:
 
 
 class _Streamer:
-    """Writes the text of one row to stdout as its tokens arrive."""
+    """Writes the prompt's text, then the text of one row to stdout as its tokens arrive."""
 
-    def __init__(self, tok):
-        self.tok, self.ids, self.printed = tok, [], ""
+    def __init__(self, tok, prompt: list[int]):
+        self.tok, self.prompt, self.ids, self.printed = tok, prompt, [], ""
 
     def __call__(self, column) -> None:
+        # The prompt waits for the first column, which comes after every input check.
+        if self.prompt is not None:
+            sys.stdout.write(self.tok.decode(self.prompt))
+            self.prompt = None
         token = int(column[0])
         if token == generation.NO_TOKEN:
             return
@@ -137,6 +142,7 @@ class _Streamer:
 
 def run() -> dict:
     """Loads, generates, prints; returns the --output_json record."""
+    pretrain_run.check_output_file("output_json", _OUTPUT_JSON.value)
     cfg, params, tok, stop, bos = _load()
     prompts = _prompts(tok, bos)
     if _STOP_IDS.value is not None:
@@ -144,12 +150,15 @@ def run() -> dict:
     limit = _VOCAB_LIMIT.value
     if limit is None:
         limit = tok.vocab_size if tok and tok.vocab_size < cfg.vocab_size else 0
+    elif not 0 <= limit <= cfg.vocab_size:
+        raise ValueError(
+            f"--vocab_limit={limit}: must be in [0, {cfg.vocab_size}] (the model's "
+            "vocab_size; 0: no limit)"
+        )
     sampling = generation.SamplingConfig(
         _TEMPERATURE.value, _TOP_K.value, _TOP_P.value, vocab_limit=limit or None
     )
-    stream = _Streamer(tok) if tok and len(prompts) == 1 else None
-    if stream:
-        sys.stdout.write(tok.decode(prompts[0]))
+    stream = _Streamer(tok, prompts[0]) if tok and len(prompts) == 1 else None
     out = generation.generate(
         cfg,
         params,
@@ -178,6 +187,7 @@ def run() -> dict:
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    logging.get_absl_handler().addFilter(pretrain_run.keep_log_record)
     try:
         record = run()
     except (FileNotFoundError, ValueError, ImportError) as e:

@@ -43,6 +43,7 @@ EXIT_REFUSED = 2
 
 def convert(workdir: str, to_hf_dir: str, data_dir: str | None, dtype: str | None) -> list:
     """Writes the HF directory; returns the files written."""
+    hf.check_export_dir(to_hf_dir)  # before the checkpoint's reads
     cfg, params, step = pretrain_run.load_params(workdir)
     logging.info("workdir %s: step %d, model %s", workdir, step, cfg.model)
     tok = None
@@ -66,6 +67,7 @@ def convert(workdir: str, to_hf_dir: str, data_dir: str | None, dtype: str | Non
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    logging.get_absl_handler().addFilter(pretrain_run.keep_log_record)
     try:
         files = convert(_WORKDIR.value, _TO_HF_DIR.value, _DATA_DIR.value, _DTYPE.value)
     except (FileNotFoundError, FileExistsError, ValueError) as e:

@@ -7,6 +7,9 @@ On the first validation sequences of the run's corpus, counts each layer's posit
 gate entries per neuron and per token and prints, per layer: l0 (mean, p99, max per
 token), the share of all positives held by the top 1% and 10% of neurons, the share of
 dead neurons and the hottest neuron's firing rate (`twell_jax.neuron_profile`).
+
+Exit codes: 0 done, 2 refused (no such workdir or checkpoint, no prepared corpus, a
+--batch below 1 or above the validation split, an --out that cannot be written).
 """
 
 from __future__ import annotations
@@ -14,9 +17,10 @@ from __future__ import annotations
 import json
 
 import jax.numpy as jnp
-from absl import app, flags
+from absl import app, flags, logging
 from flax import nnx
 
+from experiments import pretrain_run
 from experiments.benchmark_model import trained_params
 from twell_jax import input_pipeline, neuron_profile, train
 
@@ -26,6 +30,8 @@ _DATA_DIR = flags.DEFINE_string(
 )
 _BATCH = flags.DEFINE_integer("batch", 8, "Validation sequences to profile.")
 _OUT = flags.DEFINE_string("out", None, "Also write the records as JSON here.")
+
+EXIT_REFUSED = 2
 
 
 def run(workdir: str, data_dir: str, batch: int) -> dict:
@@ -45,12 +51,21 @@ def run(workdir: str, data_dir: str, batch: int) -> dict:
 
 def main(argv):
     del argv
-    result = run(_WORKDIR.value, _DATA_DIR.value, _BATCH.value)
+    logging.get_absl_handler().addFilter(pretrain_run.keep_log_record)
+    try:
+        if _BATCH.value < 1:
+            raise ValueError(f"--batch={_BATCH.value}: must be at least 1")
+        pretrain_run.check_output_file("out", _OUT.value)
+        result = run(_WORKDIR.value, _DATA_DIR.value, _BATCH.value)
+    except (FileNotFoundError, ValueError) as e:
+        logging.error("refused: %s", e)
+        return EXIT_REFUSED
     print(f"{result['workdir']} at step {result['step']}, {result['tokens']} tokens")
     print(neuron_profile.table(result["layers"]))
     if _OUT.value:
         with open(_OUT.value, "w") as f:
             json.dump(result, f, indent=1)
+    return 0
 
 
 if __name__ == "__main__":

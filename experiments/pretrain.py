@@ -46,11 +46,13 @@ through NVML over the visible GPUs (`twell_jax.energy`; pip install '.[energy]')
 
 Exit codes:
   0    done (--steps or --stop_at reached, or nothing left to do)
-  1    a bad flag or --set value (the message names the field), an --init_from_hf
-       directory that is missing, unreadable or at odds with the flags or the corpus
-       (one line), --energy where NVML cannot measure (one line), or an unexpected
-       error (traceback)
-  2    refused: the workdir is locked by another run, or the checkpoint's config differs
+  1    a flag absl cannot parse (an unknown flag, a non-number for a number), an
+       --init_from_hf directory that is missing, unreadable or at odds with the flags
+       or the corpus (one line), --energy where NVML cannot measure (one line), or an
+       unexpected error (traceback)
+  2    refused: a bad flag or --set value (the message names the field), a --data_dir
+       that is not a prepared corpus or has more token ids than the model's vocabulary,
+       the workdir is locked by another run, or the checkpoint's config differs
        (the message lists the fields), or checkpoints exist with --noresume, or the
        resume would change the schedule (--steps) without --allow_schedule_change, or go
        below the checkpoint, or one train step clearly cannot fit in memory
@@ -81,15 +83,23 @@ init_from_hf.json with --init_from_hf).
 from __future__ import annotations
 
 import json
-import logging as py_logging
 import signal
 from typing import Any
 
 import jax
 from absl import app, flags, logging
 
-from experiments import energy_flag
-from twell_jax import checkpoint, corpus, energy, overrides, run_guards, step_memory, trainer
+from experiments import energy_flag, pretrain_run
+from twell_jax import (
+    checkpoint,
+    corpus,
+    energy,
+    overrides,
+    run_data,
+    run_guards,
+    step_memory,
+    trainer,
+)
 from twell_jax import config as config_lib
 from twell_jax.hf import init as hf_init
 
@@ -186,7 +196,7 @@ _FIELDS = {
         flags.DEFINE_integer,
         "Dead-neuron re-init period.",
     ),
-    "ffn_impl": ("model.ffn_impl", flags.DEFINE_string, "dense | twell | sparse."),
+    "ffn_impl": ("model.ffn_impl", flags.DEFINE_string, " | ".join(config_lib.FFN_IMPLS) + "."),
     "ffn_variant": ("model.ffn_variant", flags.DEFINE_string, "gated_relu | relu | gated_silu."),
     "remat": ("model.remat", flags.DEFINE_bool, "Rematerialise layers in the backward pass."),
     "sparse_save_residuals": (
@@ -210,7 +220,7 @@ def _changes(cfg: config_lib.TrainConfig) -> dict[str, Any]:
     """Dotted key -> value of every field the set flags and `--set` give (in that order).
 
     Raises:
-      app.UsageError: a malformed `--set`.
+      ValueError: a malformed `--set`.
     """
     changes: dict[str, Any] = {
         _FIELDS[name][0]: flag.value
@@ -226,7 +236,7 @@ def _changes(cfg: config_lib.TrainConfig) -> dict[str, Any]:
     try:
         changes.update(overrides.parse_assignments(_SET.value))
     except ValueError as e:
-        raise app.UsageError(f"--set={e}") from e
+        raise ValueError(f"--set={e}") from e
     return changes
 
 
@@ -239,40 +249,30 @@ def resolve_config() -> config_lib.TrainConfig:
     """The preset with the set flags and then `--set` overrides applied.
 
     Raises:
-      app.UsageError: an override names an unknown field or an invalid value.
+      ValueError: a malformed `--set`, or an override names an unknown field or an
+        invalid value.
     """
     cfg = config_lib.train_preset(_PRESET.value)
     changes = _changes(cfg)
     try:
         return overrides.with_overrides(cfg, changes)
     except ValueError as e:
-        raise app.UsageError(f"invalid config override: {e}") from e
-
-
-def keep_log_record(record: py_logging.LogRecord) -> bool:
-    """The absl handler's filter: every warning and error, and the INFO records but
-    Orbax's (dozens per save) and JAX's notes on the backends it could not start
-    ("Unable to initialize backend 'tpu'" opens every CPU run; the mesh line names the
-    backend in use).
-
-    Orbax logs through absl like this script, so a level on its own logger is not enough.
-    """
-    if record.levelno >= py_logging.WARNING:
-        return True
-    if "/orbax/" in record.pathname:
-        return False
-    return not record.getMessage().startswith("Unable to initialize backend")
+        raise ValueError(f"invalid config override: {e}") from e
 
 
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    logging.get_absl_handler().addFilter(keep_log_record)
+    logging.get_absl_handler().addFilter(pretrain_run.keep_log_record)
     if _DISTRIBUTED.value:
         jax.distributed.initialize(  # before any other JAX call; None: auto-detect
             _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value
         )
-    cfg = resolve_config()
+    try:
+        cfg = resolve_config()
+    except ValueError as e:  # absl's UsageError would print the whole --help first
+        logging.error("refused: %s", e)
+        return EXIT_REFUSED
     workdir = _WORKDIR.value or f"runs/{_PRESET.value}"
     logging.info(
         "preset %s, workdir %s, data_dir %s, resume %s",
@@ -284,6 +284,13 @@ def main(argv):
 
     if _DATA_DIR.value == corpus.DEFAULT_DATA_DIR:
         corpus.ensure_default_data(_DATA_DIR.value)  # zero-setup default corpus
+    # The corpus checks run here, not in trainer.run, which first creates the workdir
+    # for its lock.
+    try:
+        meta = corpus.load_meta(_DATA_DIR.value)
+    except (FileNotFoundError, ValueError) as e:
+        logging.error("refused: %s", e)
+        return EXIT_REFUSED
     try:  # the workdir's record may name the HF source without the flag
         cfg, init_from_hf = hf_init.prepare(
             cfg, _INIT_FROM_HF.value, explicit_fields(), workdir, _DATA_DIR.value
@@ -291,6 +298,11 @@ def main(argv):
     except (FileNotFoundError, ValueError) as e:
         logging.error("init_from_hf: %s", e)
         return 1  # a bad flag value
+    try:  # the final config: the workdir's HF record may have given the vocab size
+        run_data.check_vocab(cfg, meta, _DATA_DIR.value)
+    except ValueError as e:
+        logging.error("refused: %s", e)
+        return EXIT_REFUSED
     origin = f"{init_from_hf} (HF)" if init_from_hf else _PRESET.value
     sp = cfg.sparsity
     opts = trainer.RunOptions(

@@ -1,4 +1,4 @@
-"""Compares pretraining runs: final validation CE and sparsity, throughput and energy
+r"""Compares pretraining runs: final validation CE and sparsity, throughput and energy
 over the second half, and one plot over steps.
 
     python -m experiments.quality_report --baseline=l1_0.jsonl l1_*.jsonl \

@@ -1,13 +1,17 @@
 """Renders the result tables of docs/results.md from the benchmark JSON under results/.
 
-python -m experiments.results_table results/kernel_h200.json [results/train_h200.json]
+    python -m experiments.results_table results/kernel_h200.json [results/train_h200.json]
+
+Exit codes: 0 done, 2 refused (no file given, a missing or unreadable file, a JSON that
+is not a --mode=kernel/train/model/train_model benchmark output).
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
+
+from absl import app, logging
 
 
 def _also(case: dict, key: str, label: str) -> str:
@@ -135,20 +139,43 @@ TABLES = {
 }
 
 
-def main(paths: list[str]) -> None:
-    for path in paths:
-        with open(path) as f:
-            res = json.load(f)
-        if res.get("mode") not in TABLES:
-            raise SystemExit(
-                f"{path}: not a --mode={'/'.join(TABLES)} benchmark output (mode="
-                f"{res.get('mode')!r}); the one-off A/B records under results/ hold their "
-                "numbers under 'results' (or top-level keys) and their script under 'script'"
-            )
-        print(f"`{res['command']}` ({res['device']}, jax {res['jax']}, {res['time']})\n")
-        print(TABLES[res["mode"]](res))
+EXIT_REFUSED = 2
+
+
+def render(path: str) -> str:
+    """The header line and table of one benchmark output file.
+
+    Raises:
+      OSError: the file cannot be read.
+      ValueError: it is not JSON, or not the output of a --mode in `TABLES`.
+    """
+    with open(path) as f:
+        res = json.load(f)
+    if res.get("mode") not in TABLES:
+        raise ValueError(
+            f"{path}: not a --mode={'/'.join(TABLES)} benchmark output (mode="
+            f"{res.get('mode')!r}); the one-off A/B records under results/ hold their "
+            "numbers under 'results' (or top-level keys) and their script under 'script'"
+        )
+    head = f"`{res['command']}` ({res['device']}, jax {res['jax']}, {res['time']})"
+    return f"{head}\n\n{TABLES[res['mode']](res)}"
+
+
+def main(argv):
+    paths = argv[1:]
+    try:
+        if not paths:
+            raise ValueError("give one or more benchmark JSON files (results/*.json)")
+        # Every file is read before anything is printed, so a refusal leaves no tables.
+        tables = [render(path) for path in paths]
+    except (OSError, ValueError) as e:
+        logging.error("refused: %s", e)
+        return EXIT_REFUSED
+    for table in tables:
+        print(table)
         print()
+    return 0
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    app.run(main)

@@ -1,12 +1,16 @@
-"""The standalone attention benchmarks' `run` on CPU at small shapes:
+"""The standalone attention benchmarks' `run` on CPU at small shapes, and their --help:
 experiments.benchmark_attention_layout, benchmark_decode_attention and
 benchmark_prompt_attention."""
 
 import json
+import re
+
+import pytest
 
 from experiments import benchmark_attention_layout as bal
 from experiments import benchmark_decode_attention as bda
 from experiments import benchmark_prompt_attention as bpa
+from tests.experiments.cli import run_module
 
 
 def _run_small(monkeypatch, module, **constants) -> dict:
@@ -37,3 +41,12 @@ def test_prompt_attention_benchmark_times_xla_and_every_launch(monkeypatch):
     launches = ((16, 16, 4, 2), (32, 16, 4, 3))
     res = _run_small(monkeypatch, bpa, **small, MAX_PAD=5, LAUNCHES=launches)
     assert set(res) == {"b2_s24_xla", "b2_s24_q16_k16_w4_s2", "b2_s24_q32_k16_w4_s3"}
+
+
+@pytest.mark.parametrize("module", [bal, bda, bpa], ids=lambda m: m.__name__.split(".")[-1])
+def test_help_shows_the_usage_and_the_out_flag(module):
+    proc = run_module(module.__name__, "--help")
+    assert "--out: JSON output path" in proc.stdout, proc.stdout + proc.stderr
+    usage = re.search(rf"python -m {module.__name__}[^\n]*(\n +[^\n]+)*", proc.stdout)[0]
+    # A continued usage line keeps its backslash and newline (no run of spaces instead).
+    assert "--out=results/" in usage and not re.search(r"\S {2,}-", usage), usage

@@ -1,8 +1,10 @@
 """The benchmark entry points on CPU: --mode=train_model, the train-MLP record, the
-results-table printer, and the kernel benchmarks' import without the data pipeline."""
+results-table printer, check_train_memory's --help, and the kernel benchmarks' import
+without the data pipeline."""
 
 import json
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -10,6 +12,7 @@ import pytest
 
 import pallas_kernels
 from experiments import results_table
+from tests.experiments.cli import run_module
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -90,13 +93,29 @@ def test_train_benchmark_runs_on_cpu_with_the_xla_kernels():
         assert {"gate_gemm", "compact", "spmm_csc"} <= set(rec["breakdown_ms"])
 
 
-def test_results_table_names_a_file_that_is_not_a_benchmark_output(tmp_path):
+def test_results_table_names_a_file_that_is_not_a_benchmark_output(tmp_path, caplog):
     record = tmp_path / "one_off_ab.json"
     record.write_text('{"command": "python scratch/ab.py", "results": {}}')
-    with pytest.raises(
-        SystemExit, match=r"one_off_ab\.json: not a --mode=kernel/train/model/train_model"
-    ):
-        results_table.main([str(record)])
+    assert results_table.main(["results_table", str(record)]) == results_table.EXIT_REFUSED
+    assert re.search(
+        r"refused: .*one_off_ab\.json: not a --mode=kernel/train/model/train_model", caplog.text
+    )
+
+
+def test_results_table_help_and_a_missing_file():
+    help_ = run_module("results_table", "--help")
+    assert "python -m experiments.results_table results/" in help_.stdout, help_.stderr
+    assert "Traceback" not in help_.stderr
+    missing = run_module("results_table", "results/no_such_benchmark.json")
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr
+    (line,) = missing.stderr.splitlines()
+    assert "refused: " in line and "no_such_benchmark.json" in line
+
+
+def test_check_train_memory_help_prints_usage_without_running():
+    proc = run_module("check_train_memory", "--help")
+    assert "python -m experiments.check_train_memory" in proc.stdout, proc.stderr
+    assert "temp MB" not in proc.stdout and "Traceback" not in proc.stderr
 
 
 def test_synthetic_benchmarks_import_without_grain():

@@ -40,3 +40,7 @@ def test_generate_benchmark_times_a_second_attention_in_the_rotation():
         assert rec[f"{ffn}_decode_xla_attention_over_auto"] > 0
         assert rec[f"{ffn}_prefill_xla_attention_over_auto"] > 0
     assert rec["decode_speedup_xla_attention"] > 0 and rec["prefill_speedup_xla_attention"] > 0
+
+
+def test_usage_keeps_its_line_continuation():
+    assert "--model_presets=1.5b \\\n        --generate_batch=" in benchmark_generate.__doc__

@@ -3,9 +3,7 @@
 flags would clash with other CLIs' in one test process)."""
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -14,6 +12,7 @@ import pytest
 
 from experiments import pretrain_run
 from tests.corpora import prepare_byte_corpus, write_text_corpus
+from tests.experiments.cli import run_module
 from twell_jax import checkpoint, config, config_io, sharding, train, trainer
 from twell_jax import generate as G
 
@@ -25,14 +24,7 @@ HF_TINY = REPO / "tests" / "fixtures" / "hf_tiny" / "relu_gqa"
 
 
 def run(module: str, *flags: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        [sys.executable, "-m", f"experiments.{module}", *flags],
-        cwd=REPO,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_module(module, *flags)
     if check:
         assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
@@ -107,5 +99,31 @@ def test_workdir_generation_and_export(tmp_path, workdir):
     assert hf_cfg == cfg.model and hf.read_config(hf_dir)["eos_token_id"] == 256
     for a, b in zip(jax.tree.leaves(hf_params), jax.tree.leaves(params), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # safetensors' own writer would leave the weights 0600 whatever the umask
+    assert (hf_dir / "model.safetensors").stat().st_mode == (hf_dir / "config.json").stat().st_mode
     again = run("hf_convert", f"--workdir={run_dir}", f"--to_hf_dir={hf_dir}", check=False)
-    assert again.returncode == 2 and "already holds a checkpoint" in again.stderr
+    assert again.returncode == 2 and f"{hf_dir} is not empty (it holds config.json" in again.stderr
+    # checked before the workdir is read: a missing one is not what it reports
+    nothing = run("hf_convert", f"--workdir={tmp_path}/none", f"--to_hf_dir={hf_dir}", check=False)
+    assert nothing.returncode == 2 and "is not empty" in nothing.stderr
+    into_run = run("hf_convert", f"--workdir={run_dir}", f"--to_hf_dir={run_dir}", check=False)
+    assert into_run.returncode == 2 and "is not empty (it holds checkpoints" in into_run.stderr
+
+
+def test_bad_requests_are_refused_before_any_output(tmp_path):
+    """A single prompt's text is streamed only once every check has passed."""
+    hf = f"--hf_dir={HF_TINY}"
+    for flags, message in [
+        (["--prompt=Hello", "--max_new_tokens=200"], "+ max_new_tokens=200 exceeds"),
+        (["--prompt=Hello", "--max_new_tokens=0"], "max_new_tokens=0: must be >= 1"),
+        (["--prompt_ids=1,2,9999"], "prompts[0][2] = 9999 is not a token id"),
+        (["--prompt=Hello", "--vocab_limit=5000"], "--vocab_limit=5000: must be in [0, 128]"),
+        (
+            ["--prompt=Hello", f"--output_json={tmp_path}/no_dir/out.json"],
+            f"--output_json={tmp_path}/no_dir/out.json: no directory",
+        ),
+    ]:
+        proc = run("generate", hf, *flags, check=False)
+        assert proc.returncode == 2 and proc.stdout == "", (flags, proc.stdout)
+        (line,) = [line for line in proc.stderr.splitlines() if "refused: " in line]
+        assert message in line, line

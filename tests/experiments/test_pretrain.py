@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.experiments.cli import run_module
 from tests.fake_pynvml import install_module
 from twell_jax import corpus, documents, metrics, tokenizer
 
@@ -286,18 +287,20 @@ def test_a_seq_len_too_long_for_memory_exits_2_before_compiling(tmp_path, data_d
 def test_log_filter_drops_only_orbax_info_and_unavailable_backend_notes():
     import logging
 
-    from experiments import pretrain
+    from experiments import pretrain_run
 
     def record(path, level, msg):
         return logging.LogRecord("absl", level, path, 1, msg, None, None)
 
     bridge = "/site-packages/jax/_src/xla_bridge.py"
     tpu = "Unable to initialize backend 'tpu': INTERNAL: Failed to open libtpu.so"
-    assert not pretrain.keep_log_record(record(bridge, logging.INFO, tpu))
-    assert not pretrain.keep_log_record(record("/x/orbax/checkpoint/a.py", logging.INFO, "saved"))
-    assert pretrain.keep_log_record(record(bridge, logging.WARNING, "Falling back to cpu."))
-    assert pretrain.keep_log_record(record("/x/orbax/checkpoint/a.py", logging.WARNING, "slow"))
-    assert pretrain.keep_log_record(record("/x/trainer.py", logging.INFO, "step 1"))
+    keep = pretrain_run.keep_log_record
+    orbax = "/x/orbax/checkpoint/a.py"
+    assert not keep(record(bridge, logging.INFO, tpu))
+    assert not keep(record(orbax, logging.INFO, "saved"))
+    assert keep(record(bridge, logging.WARNING, "Falling back to cpu."))
+    assert keep(record(orbax, logging.WARNING, "slow"))
+    assert keep(record("/x/trainer.py", logging.INFO, "step 1"))
 
 
 FLAGFILES = sorted(p.stem for p in (REPO / "experiments" / "configs").glob("*.flags"))
@@ -367,6 +370,10 @@ def test_trained_checkpoint_neuron_profile_and_captured_benchmark(straight, data
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| layer | l0 |" in proc.stdout
+    too_many = subprocess.run(
+        [sys.executable, *cli, "--batch=100000"], cwd=REPO, capture_output=True, text=True
+    )
+    assert "fewer than one batch of 100000" in _refusal(too_many)
     prof = json.loads(out.read_text())
     assert prof["step"] == 6 and prof["tokens"] == 64 and len(prof["layers"]) == 2
     for rec in prof["layers"]:
@@ -438,3 +445,63 @@ def test_energy_flag_logs_joules_per_token_or_stops_before_writing(tmp_path, dat
         proc = run_cli(fresh, data_dir, cache_dir, "--steps=3", "--energy", check=False)
         assert proc.returncode == 1 and "--energy: energy needs NVML: pip install" in proc.stderr
         assert not (fresh / "config.json").exists()
+
+
+def _refusal(proc: subprocess.CompletedProcess) -> str:
+    """The one line a refused CLI run writes to stderr after its log lines, checked for
+    exit code 2 and no traceback or help text."""
+    assert proc.returncode == 2, proc.stderr[-4000:]
+    assert "Traceback" not in proc.stderr and "Exit codes:" not in proc.stderr
+    (line,) = [line for line in proc.stderr.splitlines() if "refused: " in line]
+    return line
+
+
+@pytest.mark.parametrize(
+    "flag, message",
+    [
+        ("--set=model.d_modle=64", "unknown config key 'd_modle' for ModelConfig"),
+        ("--set=model.d_model=abc", "ModelConfig.d_model='abc': expected an int"),
+        ("--ffn_impl=bogus", "ModelConfig.ffn_impl='bogus': must be one of"),
+        ("--steps=0", "OptimConfig.total_steps=0: must be > 0"),
+        ("--set=model", "--set='model': expected section.field=value"),
+    ],
+)
+def test_a_bad_config_value_is_one_refused_line(tmp_path, data_dir, cache_dir, flag, message):
+    proc = run_cli(tmp_path / "run", data_dir, cache_dir, flag, check=False)
+    assert message in _refusal(proc)
+    assert len(proc.stderr.splitlines()) == 1 and not (tmp_path / "run").exists()
+
+
+def test_a_corpus_the_run_cannot_read_is_refused_before_the_workdir_exists(
+    tmp_path, data_dir, cache_dir
+):
+    workdir = tmp_path / "run"
+    proc = run_cli(workdir, tmp_path / "nope", cache_dir, check=False)
+    assert "nope/meta.json not found: prepare the corpus with" in _refusal(proc)
+    assert not workdir.exists()
+    proc = run_cli(workdir, data_dir, cache_dir, "--set=model.vocab_size=128", check=False)
+    assert "uses a tokenizer of 257 ids (byte) but model.vocab_size=128" in _refusal(proc)
+    assert not workdir.exists()
+
+
+def test_ffn_impl_help_lists_every_implementation():
+    from experiments import pretrain
+    from twell_jax.config import FFN_IMPLS
+
+    assert all(impl in pretrain._FIELDS["ffn_impl"][2] for impl in FFN_IMPLS)
+
+
+def test_neuron_profile_refusals_are_one_line():
+    def profile(*args):
+        return run_module("neuron_profile", *args)
+
+    assert "runs/no_such_run" in _refusal(profile("--workdir=runs/no_such_run"))
+    assert "--batch=0: must be at least 1" in _refusal(profile("--workdir=x", "--batch=0"))
+    no_dir = profile("--workdir=x", "--out=/nonexistent_dir/profile.json")
+    assert "--out=/nonexistent_dir/profile.json: no directory" in _refusal(no_dir)
+
+
+def test_quality_report_usage_keeps_its_line_continuation():
+    from experiments import quality_report
+
+    assert "l1_*.jsonl \\\n        --plot=" in quality_report.__doc__

@@ -2,7 +2,9 @@
 
 import dataclasses
 import json
+import os
 import shutil
+import stat
 from pathlib import Path
 
 import jax
@@ -173,5 +175,24 @@ def test_export_refusals(tmp_path):
         hf.save_checkpoint(tmp_path / "a", cfg, init_params(cfg))
     gated = dataclasses.replace(cfg, ffn_variant="gated_relu")
     hf.save_checkpoint(tmp_path / "b", gated, init_params(gated))
-    with pytest.raises(FileExistsError, match="already holds a checkpoint"):
+    with pytest.raises(FileExistsError, match=r"b is not empty \(it holds config.json, model"):
         hf.save_checkpoint(tmp_path / "b", gated, init_params(gated))
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "notes.txt").write_text("")
+    with pytest.raises(FileExistsError, match=r"c is not empty \(it holds notes.txt\)"):
+        hf.save_checkpoint(tmp_path / "c", gated, init_params(gated))
+    with pytest.raises(FileExistsError, match="is a file"):
+        hf.check_export_dir(tmp_path / "c" / "notes.txt")
+    hf.check_export_dir(tmp_path / "new")  # new or empty: fine
+    assert not (tmp_path / "new").exists()
+
+
+def test_export_files_get_the_mode_of_the_umask(tmp_path):
+    cfg = small_model(ffn_variant="gated_relu")
+    old = os.umask(0o027)
+    try:
+        files = hf.save_checkpoint(tmp_path / "hf", cfg, init_params(cfg), max_shard_bytes=4000)
+    finally:
+        os.umask(old)
+    assert len(files) > 3  # shards, their index and config.json
+    assert {stat.S_IMODE(f.stat().st_mode) for f in files} == {0o640}

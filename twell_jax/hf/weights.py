@@ -21,6 +21,7 @@ import dataclasses
 import json
 import math
 import os
+import stat
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -330,6 +331,20 @@ def _host_tensor(e: _Entry, params: Params, dtype: np.dtype) -> np.ndarray:
     return np.ascontiguousarray(e.tensor.to_hf(np.asarray(jax.device_get(part))).astype(dtype))
 
 
+def check_export_dir(hf_dir: str | os.PathLike) -> None:
+    """Raises FileExistsError unless `hf_dir` is new or empty (what `save_checkpoint`
+    writes into; an exporter can check it before loading anything)."""
+    out = Path(hf_dir)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{out} is a file; export into a new or empty directory")
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if held:
+        shown = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
+        raise FileExistsError(
+            f"{out} is not empty (it holds {shown}); export into a new or empty directory"
+        )
+
+
 def save_checkpoint(
     hf_dir: str | os.PathLike,
     cfg: ModelConfig,
@@ -356,7 +371,7 @@ def save_checkpoint(
       The files written.
 
     Raises:
-      FileExistsError: `hf_dir` already holds a config.json or safetensors files.
+      FileExistsError: `hf_dir` is not empty.
       ValueError: cfg.ffn_variant="relu" (no HF Llama form), or an unknown dtype.
     """
     st = _safetensors()
@@ -365,8 +380,7 @@ def save_checkpoint(
         raise ValueError(f"dtype={dtype!r}: must be one of {DTYPES}")
     hf_config = config_to_hf(cfg, dtype, **token_ids)
     out = Path(hf_dir)
-    if out.is_dir() and ((out / CONFIG_FILE).exists() or any(out.glob("*.safetensors"))):
-        raise FileExistsError(f"{out} already holds a checkpoint; export into a new directory")
+    check_export_dir(out)
     out.mkdir(parents=True, exist_ok=True)
     entries = _entries(cfg, dtype)
     shards = _plan_shards(entries, max_shard_bytes)
@@ -379,8 +393,14 @@ def save_checkpoint(
     np_dtype = np.dtype(jnp.dtype(dtype))
     for file, shard in zip(files, shards, strict=True):
         tensors = {e.name: _host_tensor(e, params, np_dtype) for e in shard}
+        # safetensors writes a private (0600) temporary file and renames it over the
+        # target: the mode an empty file gets here (0666 less the umask, as config.json)
+        # goes back on after.
+        (out / file).touch()
+        mode = stat.S_IMODE((out / file).stat().st_mode)
         # "format": "pt" is the metadata transformers expects of its own files.
         st.numpy.save_file(tensors, str(out / file), {"format": "pt"})
+        (out / file).chmod(mode)
         del tensors
     written = [out / f for f in files]
     if n > 1:
