@@ -26,8 +26,8 @@ at the end.
 --output_json (in an existing directory) writes {"prompt_ids", "new_token_ids", "text"}
 (lists over the batch, plain values for one prompt).
 
-Exit codes: 0 done, 2 refused (missing files, bad flags, an out-of-range id, a model
-the requested FFN path cannot run).
+Exit codes: 0 done, 2 refused (missing files, bad flags or positional arguments, an
+out-of-range id, a model the requested FFN path cannot run).
 """
 
 from __future__ import annotations
@@ -185,9 +185,8 @@ def run() -> dict:
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    logging.get_absl_handler().addFilter(pretrain_run.keep_log_record)
+    if not pretrain_run.start_cli(argv):
+        return EXIT_REFUSED
     try:
         record = run()
     except (FileNotFoundError, ValueError, ImportError) as e:

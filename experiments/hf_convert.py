@@ -15,7 +15,7 @@ The other direction is `experiments.pretrain --init_from_hf=DIR`, which starts a
 from an HF checkpoint's weights; `experiments.generate --hf_dir` runs HF checkpoints.
 
 Exit codes: 0 done, 2 refused (no such workdir or checkpoint, a model HF Llama cannot
-express, a non-empty output directory).
+express, a non-empty output directory, positional arguments).
 """
 
 from __future__ import annotations
@@ -65,9 +65,8 @@ def convert(workdir: str, to_hf_dir: str, data_dir: str | None, dtype: str | Non
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    logging.get_absl_handler().addFilter(pretrain_run.keep_log_record)
+    if not pretrain_run.start_cli(argv):
+        return EXIT_REFUSED
     try:
         files = convert(_WORKDIR.value, _TO_HF_DIR.value, _DATA_DIR.value, _DTYPE.value)
     except (FileNotFoundError, FileExistsError, ValueError) as e:

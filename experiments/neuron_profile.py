@@ -9,7 +9,8 @@ token), the share of all positives held by the top 1% and 10% of neurons, the sh
 dead neurons and the hottest neuron's firing rate (`twell_jax.neuron_profile`).
 
 Exit codes: 0 done, 2 refused (no such workdir or checkpoint, no prepared corpus, a
---batch below 1 or above the validation split, an --out that cannot be written).
+--batch below 1 or above the validation split, an --out that cannot be written,
+positional arguments).
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ def run(workdir: str, data_dir: str, batch: int) -> dict:
 
 
 def main(argv):
-    del argv
-    logging.get_absl_handler().addFilter(pretrain_run.keep_log_record)
+    if not pretrain_run.start_cli(argv):
+        return EXIT_REFUSED
     try:
         if _BATCH.value < 1:
             raise ValueError(f"--batch={_BATCH.value}: must be at least 1")

@@ -50,10 +50,11 @@ Exit codes:
        --init_from_hf directory that is missing, unreadable or at odds with the flags
        or the corpus (one line), --energy where NVML cannot measure (one line), or an
        unexpected error (traceback)
-  2    refused: a bad flag or --set value (the message names the field), a --data_dir
-       that is not a prepared corpus or has more token ids than the model's vocabulary,
-       the workdir is locked by another run, or the checkpoint's config differs
-       (the message lists the fields), or checkpoints exist with --noresume, or the
+  2    refused: a bad flag or --set value (the message names the field), positional
+       arguments (a stray word, or a value after a boolean flag), a --data_dir that is
+       not a prepared corpus or has more token ids than the model's vocabulary, the
+       workdir is locked by another run, or the checkpoint's config differs (the message
+       lists the fields), or checkpoints exist with --noresume, or the
        resume would change the schedule (--steps) without --allow_schedule_change, or go
        below the checkpoint, or one train step clearly cannot fit in memory
        (twell_jax.step_memory: --seq_len has no positional limit, memory bounds it)
@@ -261,9 +262,8 @@ def resolve_config() -> config_lib.TrainConfig:
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    logging.get_absl_handler().addFilter(pretrain_run.keep_log_record)
+    if not pretrain_run.start_cli(argv):
+        return EXIT_REFUSED
     if _DISTRIBUTED.value:
         jax.distributed.initialize(  # before any other JAX call; None: auto-detect
             _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value

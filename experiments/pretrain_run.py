@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+from absl import logging
 
 from twell_jax import checkpoint, corpus, sharding, train, trainer
 from twell_jax import tokenizer as tokenizer_lib
@@ -99,3 +100,15 @@ def check_output_file(flag: str, path: str | None) -> None:
         raise FileNotFoundError(f"--{flag}={out}: no directory {out.parent}")
     if not os.access(out.parent, os.W_OK):
         raise ValueError(f"--{flag}={out}: cannot write in {out.parent}")
+
+
+def start_cli(argv: list[str]) -> bool:
+    """What an entry point's main does first: the log filter (`keep_log_record`) on
+    absl's handler, and a one-line refusal of positional arguments (a stray word, or a
+    value after a boolean flag, `--resume no`) instead of absl's usage text. Returns
+    False when refused."""
+    logging.get_absl_handler().addFilter(keep_log_record)
+    if len(argv) > 1:
+        logging.error("refused: unexpected arguments %s (flags take --name=value)", argv[1:])
+        return False
+    return True

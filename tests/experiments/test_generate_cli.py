@@ -122,6 +122,7 @@ def test_bad_requests_are_refused_before_any_output(tmp_path):
             ["--prompt=Hello", f"--output_json={tmp_path}/no_dir/out.json"],
             f"--output_json={tmp_path}/no_dir/out.json: no directory",
         ),
+        (["--prompt=Hello", "stray"], "unexpected arguments ['stray'] (flags take --name=value)"),
     ]:
         proc = run("generate", hf, *flags, check=False)
         assert proc.returncode == 2 and proc.stdout == "", (flags, proc.stdout)

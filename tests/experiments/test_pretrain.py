@@ -464,6 +464,7 @@ def _refusal(proc: subprocess.CompletedProcess) -> str:
         ("--ffn_impl=bogus", "ModelConfig.ffn_impl='bogus': must be one of"),
         ("--steps=0", "OptimConfig.total_steps=0: must be > 0"),
         ("--set=model", "--set='model': expected section.field=value"),
+        ("stray", "unexpected arguments ['stray'] (flags take --name=value)"),
     ],
 )
 def test_a_bad_config_value_is_one_refused_line(tmp_path, data_dir, cache_dir, flag, message):
