@@ -161,17 +161,24 @@ def _any(v: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     return jax.lax.psum(v.astype(jnp.int32), axes) > 0
 
 
+def _pmax(v: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """pmax of a statistic that no loss differentiates: pmax has no derivative rule,
+    and a value_and_grad over the step, traced in shard_map without its varying-axes
+    checks (`sharding.per_batch_shard`), asks every reduction for one."""
+    return jax.lax.pmax(jax.lax.stop_gradient(v), axes)
+
+
 # How each statistic combines over batch shards.
 STAT_REDUCTIONS = {
     "l1": jax.lax.pmean,
     "l0": jax.lax.pmean,
     "fired": _any,
-    "max_tile_count": jax.lax.pmax,
+    "max_tile_count": _pmax,
     "overflow_tiles": jax.lax.psum,
     "hot_share": jax.lax.pmean,
-    "tail_load": jax.lax.pmax,
+    "tail_load": _pmax,
     "tail_rows": jax.lax.psum,
-    "dense_fallback": jax.lax.pmax,
+    "dense_fallback": _pmax,
 }
 
 

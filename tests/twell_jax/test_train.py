@@ -149,6 +149,7 @@ _SHARDED = textwrap.dedent("""
         out, stats = ffn.dense_counted(x, weights, config.ell_width)
         return out, {**stats, "tail_rows": jnp.ones((), jnp.int32)}
 
+    real_op = pallas_kernels.sparse_gated_mlp_train
     pallas_kernels.sparse_gated_mlp_train = stand_in
     dense = dataclasses.replace(cfg.model, dtype="bfloat16")
     sparse = dataclasses.replace(dense, ffn_impl="sparse")
@@ -169,6 +170,24 @@ _SHARDED = textwrap.dedent("""
         "kernel_fired_equal": bool(jnp.all(want_stats["fired"] == got_stats["fired"])),
         "kernel_tail_rows": got_stats["tail_rows"].tolist(),
     })
+
+    # The real op (its kernels in the interpreter) per batch shard, forward and
+    # backward, against the same op on one device.
+    pallas_kernels.sparse_gated_mlp_train = real_op
+    grad = jax.jit(jax.value_and_grad(lambda p: forward(sparse, p), has_aux=True))
+    with jax.set_mesh(mesh8):
+        (loss8, stats8), grads8 = grad(params)
+    (loss1, stats1), grads1 = grad(jax.device_put(params, jax.devices()[0]))
+    g8, g1 = ([np.asarray(a, np.float32) for a in jax.tree.leaves(jax.device_get(g))]
+              for g in (grads8, grads1))
+    diff = sum(float(np.sum((a - b) ** 2)) for a, b in zip(g8, g1))
+    norm = sum(float(np.sum(b ** 2)) for b in g1)
+    result.update({
+        "real_loss": [float(loss1), float(loss8)],
+        "real_l0": [stats1["l0"].tolist(), stats8["l0"].tolist()],
+        "real_fired_equal": bool(np.array_equal(stats1["fired"], stats8["fired"])),
+        "real_grad_rel_diff": (diff / norm) ** 0.5,
+    })
     print(json.dumps(result))
 """)
 
@@ -176,7 +195,8 @@ _SHARDED = textwrap.dedent("""
 @pytest.mark.slow
 def test_sharded_step_matches_single_device(tmp_path):
     """On 8 simulated CPUs, mesh (data=2, fsdp=4): the train step equals the 1-device
-    step, and the per-shard kernel FFN path equals the dense one."""
+    step, the per-shard kernel FFN path equals the dense one, and the sparse training op
+    itself runs per shard, forward and backward, as on one device."""
     env = dict(
         os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu"
     )
@@ -213,6 +233,11 @@ def test_sharded_step_matches_single_device(tmp_path):
     assert out["kernel_loss"][1] == pytest.approx(out["kernel_loss"][0], rel=LOSS_RTOL)
     np.testing.assert_allclose(out["kernel_l0"][1], out["kernel_l0"][0], rtol=1e-6)
     assert out["kernel_fired_equal"]
+    # The real sparse op per shard: the same forward, and weight gradients summed over
+    # the 8 shards from bf16 partials (a missing or doubled sum would be off by ~1x).
+    assert out["real_loss"][1] == pytest.approx(out["real_loss"][0], rel=1e-5)
+    np.testing.assert_allclose(out["real_l0"][1], out["real_l0"][0], rtol=1e-6)
+    assert out["real_fired_equal"] and out["real_grad_rel_diff"] < 0.03
     assert out["kernel_tail_rows"] == [8, 8]
 
 
