@@ -4,8 +4,10 @@ over the second half, and one plot over steps.
     python -m experiments.quality_report --baseline=l1_0.jsonl l1_*.jsonl \
         --plot=sparsity_ce.png
 
-Each input is a copy of a run's metrics.jsonl (`twell_jax.trainer` writes it); its
-label is the file's stem. The table goes to stdout in Markdown, for README.
+Each input is a run's metrics.jsonl (`twell_jax.trainer` writes it) or a copy of one; its
+label is the file's stem, or its directory's name where stems repeat (runs/125m/
+metrics.jsonl and runs/125m_dense/metrics.jsonl are "125m" and "125m_dense"). The table
+goes to stdout in Markdown, for README.
 """
 
 from __future__ import annotations
@@ -125,17 +127,36 @@ def plot(runs: dict[str, list[dict]], path: str | os.PathLike) -> None:
     plt.close(fig)
 
 
+def labels(paths: Sequence[Path]) -> list[str]:
+    """One distinct label per input file (module docstring).
+
+    Raises:
+      ValueError: a file given twice, or two files no rule here tells apart.
+    """
+    if len(set(paths)) < len(paths):
+        raise ValueError(f"a file is given twice: {[str(p) for p in paths]}")
+    stems = [p.stem for p in paths]
+    names = [p.parent.name or str(p.parent) if stems.count(p.stem) > 1 else p.stem for p in paths]
+    if len(set(names)) < len(names):
+        raise ValueError(f"inputs that share a name and a directory name: {names}")
+    return names
+
+
 def main(argv: Sequence[str]) -> None:
     paths = [Path(p) for p in argv[1:]]
     if _BASELINE.value and Path(_BASELINE.value) not in paths:
         paths.insert(0, Path(_BASELINE.value))
     if not paths:
         raise app.UsageError("give one or more metrics.jsonl files")
-    records = {p.stem: metrics.read_metrics(p) for p in paths}
+    try:
+        names = labels(paths)
+    except ValueError as e:
+        raise app.UsageError(str(e)) from e
+    records = {name: metrics.read_metrics(p) for name, p in zip(names, paths, strict=True)}
     for name, recs in records.items():
         if not recs:
             raise app.UsageError(f"{name}: no metrics (missing or empty file)")
-    baseline = Path(_BASELINE.value).stem if _BASELINE.value else None
+    baseline = names[paths.index(Path(_BASELINE.value))] if _BASELINE.value else None
     print(table({k: summarize(v) for k, v in records.items()}, baseline))
     if _PLOT.value:
         plot(records, _PLOT.value)

@@ -502,6 +502,21 @@ def test_neuron_profile_refusals_are_one_line():
     assert "--out=/nonexistent_dir/profile.json: no directory" in _refusal(no_dir)
 
 
+def test_quality_report_labels_runs_apart_by_directory():
+    """Two runs' metrics.jsonl share a stem: each gets its directory's name (one stem
+    for both merged them into one row, the baseline compared with itself)."""
+    from experiments.quality_report import labels
+
+    runs = [Path("runs/125m_dense/metrics.jsonl"), Path("runs/125m/metrics.jsonl")]
+    assert labels(runs) == ["125m_dense", "125m"]
+    assert labels([Path("l1_0.jsonl"), Path("l1_1e-3.jsonl")]) == ["l1_0", "l1_1e-3"]
+    assert labels([*runs, Path("copies/l1.jsonl")]) == ["125m_dense", "125m", "l1"]
+    with pytest.raises(ValueError, match="given twice"):
+        labels([runs[0], runs[0]])
+    with pytest.raises(ValueError, match="share a name and a directory name"):
+        labels([Path("a/run/metrics.jsonl"), Path("b/run/metrics.jsonl")])
+
+
 def test_quality_report_usage_keeps_its_line_continuation():
     from experiments import quality_report
 
