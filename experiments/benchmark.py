@@ -26,6 +26,19 @@ decode: decode-size MLPs (M in --decode_tokens), dense XLA against sparse_decode
 twell_gated_mlp, interleaved (experiments/benchmark_decode.py); --decode_config repeats.
 generate: end-to-end generation of --model_presets (prefill + KV-cache decode), dense
 against sparse FFNs (experiments/benchmark_generate.py).
+
+Every mode prints its records as JSON lines (--out also writes them, with the command
+and the machine, to one JSON file). Without a GPU, --mode=kernel is refused (its Pallas
+kernels are compiled for the GPU only); the other modes run on the CPU (XLA paths or the
+Pallas interpreter) with a warning: their timings say nothing about GPU speed.
+
+Exit codes:
+  0    done
+  1    a flag absl cannot parse, --energy where NVML cannot measure, or an unexpected
+       error (traceback)
+  2    refused (one line): --mode=kernel without a GPU, --pattern=captured without
+       --mode=train and --capture_workdir, --pattern=heavy_rows with --mode=model or
+       train_model, --energy with a mode other than train_model, positional arguments
 """
 
 from __future__ import annotations
@@ -38,14 +51,23 @@ import sys
 import time
 
 import jax
-from absl import app, flags
+from absl import app, flags, logging
 
-from experiments import benchmark_kernel, benchmark_train, benchmark_tune, energy_flag
+from experiments import (
+    benchmark_kernel,
+    benchmark_train,
+    benchmark_tune,
+    energy_flag,
+    entry_points,
+)
 from pallas_kernels.sparse_train import SparseTrainConfig
 from twell_jax.overrides import with_overrides
 from twell_jax.synthetic import PATTERNS
 
 FLAGS = flags.FLAGS
+EXIT_REFUSED = 2
+# Modes that only time Pallas kernels compiled for the GPU: there is no CPU path to run.
+GPU_MODES = ("kernel",)
 flags.DEFINE_enum(
     "mode",
     "kernel",
@@ -244,8 +266,34 @@ def _train_model(meter) -> list[dict]:
     )
 
 
+def _print_records(records: list[dict]) -> None:
+    """One JSON line per record on stdout, as the modes that print while they run."""
+    for rec in records:
+        print(json.dumps(rec), flush=True)
+
+
+def _refusal() -> str | None:
+    """Why the flags ask for what this machine cannot run, or None."""
+    if FLAGS.pattern == "captured" and (FLAGS.mode != "train" or not FLAGS.capture_workdir):
+        return "--pattern=captured needs --mode=train and --capture_workdir"
+    if FLAGS.pattern == "heavy_rows" and FLAGS.mode in ("model", "train_model"):
+        return f"--pattern={FLAGS.pattern} is not implemented for --mode={FLAGS.mode}"
+    if energy_flag.ENERGY.value and FLAGS.mode != "train_model":
+        return "--energy is implemented for --mode=train_model only"
+    if FLAGS.mode in GPU_MODES and jax.default_backend() != "gpu":
+        return f"--mode={FLAGS.mode} times the Pallas kernels and needs a GPU"
+    return None
+
+
 def main(argv):
-    del argv
+    if not entry_points.start_cli(argv):
+        return EXIT_REFUSED
+    why = _refusal()
+    if why:  # absl's UsageError would print the whole --help first
+        logging.error("refused: %s", why)
+        return EXIT_REFUSED
+    if jax.default_backend() == "cpu":
+        logging.warning("--mode=%s on the CPU: CPU timings say nothing about GPU speed", FLAGS.mode)
     tokens = [int(t) for t in FLAGS.tokens]
     h, n, c = FLAGS.d_model, FLAGS.d_ff, FLAGS.compression
     bench = benchmark_kernel.KernelBench(
@@ -262,14 +310,6 @@ def main(argv):
         "pattern": FLAGS.pattern,
         "pattern_sigma": FLAGS.pattern_sigma,
     }
-    if FLAGS.pattern == "captured" and (FLAGS.mode != "train" or not FLAGS.capture_workdir):
-        raise app.UsageError("--pattern=captured needs --mode=train and --capture_workdir")
-    if FLAGS.pattern == "heavy_rows" and FLAGS.mode in ("model", "train_model"):
-        raise app.UsageError(
-            f"--pattern={FLAGS.pattern} is not implemented for --mode={FLAGS.mode}"
-        )
-    if energy_flag.ENERGY.value and FLAGS.mode != "train_model":
-        raise app.UsageError("--energy is implemented for --mode=train_model only")
     if FLAGS.mode == "kernel":
         result["cases"] = []
         for m in tokens:
@@ -304,6 +344,7 @@ def main(argv):
                 SparseTrainConfig(), dict(kv.split("=", 1) for kv in FLAGS.train_config)
             ),
         )
+        _print_records(result["cases"])
     elif FLAGS.mode == "model":
         # Imported here: the model benchmark pulls in the data pipeline (grain), which
         # the kernel and training modes do not need.
@@ -386,6 +427,7 @@ def main(argv):
         )
     elif FLAGS.mode == "train_tune":
         result["tune"] = benchmark_train.tune(M=FLAGS.train_tokens, H=h, N=n)
+        _print_records(result["tune"])
     else:
         result["tune"] = benchmark_tune.tune(
             max(tokens),

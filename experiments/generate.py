@@ -39,7 +39,7 @@ from pathlib import Path
 
 from absl import app, flags, logging
 
-from experiments import pretrain_run
+from experiments import entry_points, pretrain_run
 from twell_jax import generate as generation
 from twell_jax import hf
 from twell_jax import tokenizer as tokenizer_lib
@@ -142,7 +142,7 @@ class _Streamer:
 
 def run() -> dict:
     """Loads, generates, prints; returns the --output_json record."""
-    pretrain_run.check_output_file("output_json", _OUTPUT_JSON.value)
+    entry_points.check_output_file("output_json", _OUTPUT_JSON.value)
     cfg, params, tok, stop, bos = _load()
     prompts = _prompts(tok, bos)
     if _STOP_IDS.value is not None:
@@ -185,7 +185,7 @@ def run() -> dict:
 
 
 def main(argv):
-    if not pretrain_run.start_cli(argv):
+    if not entry_points.start_cli(argv):
         return EXIT_REFUSED
     try:
         record = run()

@@ -24,7 +24,7 @@ import shutil
 
 from absl import app, flags, logging
 
-from experiments import pretrain_run
+from experiments import entry_points, pretrain_run
 from twell_jax import hf
 from twell_jax import tokenizer as tokenizer_lib
 from twell_jax.config import DTYPES
@@ -65,7 +65,7 @@ def convert(workdir: str, to_hf_dir: str, data_dir: str | None, dtype: str | Non
 
 
 def main(argv):
-    if not pretrain_run.start_cli(argv):
+    if not entry_points.start_cli(argv):
         return EXIT_REFUSED
     try:
         files = convert(_WORKDIR.value, _TO_HF_DIR.value, _DATA_DIR.value, _DTYPE.value)

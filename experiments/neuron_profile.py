@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from absl import app, flags, logging
 from flax import nnx
 
-from experiments import pretrain_run
+from experiments import entry_points
 from experiments.benchmark_model import trained_params
 from twell_jax import input_pipeline, neuron_profile, train
 
@@ -51,12 +51,12 @@ def run(workdir: str, data_dir: str, batch: int) -> dict:
 
 
 def main(argv):
-    if not pretrain_run.start_cli(argv):
+    if not entry_points.start_cli(argv):
         return EXIT_REFUSED
     try:
         if _BATCH.value < 1:
             raise ValueError(f"--batch={_BATCH.value}: must be at least 1")
-        pretrain_run.check_output_file("out", _OUT.value)
+        entry_points.check_output_file("out", _OUT.value)
         result = run(_WORKDIR.value, _DATA_DIR.value, _BATCH.value)
     except (FileNotFoundError, ValueError) as e:
         logging.error("refused: %s", e)

@@ -4,7 +4,20 @@ With no --inputs the corpus is this interpreter's Python standard library (*.py)
 no download. A file that is not valid UTF-8 stops the run (the error names the file and byte
 offset) unless --on_invalid_utf8=replace, which replaces each invalid sequence with U+FFFD and
 counts them (log warning, meta.json `invalid_utf8_replaced`). A corpus without text is an
-error; one too small for a validation split is prepared with a warning giving its counts.
+error; one too small for a validation split is prepared with a warning giving its counts,
+and so is one too small for a batch of a default pretrain run (the tiny preset) or a
+--bpe_vocab_size larger than its text allows (the warning names both sizes).
+
+Exit codes:
+  0    prepared
+  1    a flag absl cannot parse, or an unexpected error (traceback)
+  2    refused (one line): positional arguments, a --data_dir already prepared without
+       --overwrite, an --inputs path that does not exist, a directory without text
+       files, a file that is not valid UTF-8 (without --on_invalid_utf8=replace), a
+       .jsonl line that is not a JSON object with the --text_field string, a corpus
+       without text or training documents, a --tokenizer that is missing or invalid, a
+       bad --bpe_vocab_size or --val_fraction. A --data_dir this run created is removed.
+
 Examples:
 
   python -m experiments.prepare_data --data_dir=data/stdlib_byte
@@ -13,11 +26,13 @@ Examples:
       --tokenizer=path/to/tokenizer.json
 """
 
+import shutil
 from pathlib import Path
 
 from absl import app, flags, logging
 
-from twell_jax import corpus, documents, tokenizer
+from experiments import entry_points
+from twell_jax import config, corpus, documents, input_pipeline, tokenizer
 
 _DATA_DIR = flags.DEFINE_string("data_dir", None, "Output directory.", required=True)
 _INPUTS = flags.DEFINE_list(
@@ -42,6 +57,8 @@ _VAL_FRACTION = flags.DEFINE_float("val_fraction", 0.01, "Fraction of documents 
 _SHARD_TOKENS = flags.DEFINE_integer("shard_tokens", corpus.DEFAULT_SHARD_TOKENS, "Tokens/shard.")
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace an existing prepared corpus.")
 
+EXIT_REFUSED = 2
+
 
 def _documents():
     """A fresh iterator over the selected corpus (BPE training reads it once more)."""
@@ -50,18 +67,15 @@ def _documents():
     return documents.stdlib_documents(_MAX_BYTES.value)
 
 
-def main(argv):
-    del argv
-    source = ",".join(_INPUTS.value) or f"stdlib:{documents.stdlib_root()}"
-    if (Path(_DATA_DIR.value) / corpus.META_FILE).exists() and not _OVERWRITE.value:
-        raise app.UsageError(f"{_DATA_DIR.value} is already prepared; pass --overwrite")
+def _prepare(source: str) -> dict:
+    """Prepares --data_dir from the selected corpus; returns its meta."""
     if _BPE_VOCAB_SIZE.value:
         tok = corpus.train_corpus_bpe(
             _documents(), _DATA_DIR.value, _BPE_VOCAB_SIZE.value, _VAL_FRACTION.value
         )
     else:
         tok = tokenizer.load_tokenizer(_TOKENIZER.value)
-    meta = corpus.prepare_corpus(
+    return corpus.prepare_corpus(
         _documents(),
         _DATA_DIR.value,
         tok,
@@ -70,8 +84,52 @@ def main(argv):
         shard_tokens=_SHARD_TOKENS.value,
         overwrite=_OVERWRITE.value,
     )
+
+
+def _first_missing(path: Path) -> Path | None:
+    """The outermost of `path` and its parents that does not exist (what a
+    `mkdir(parents=True)` of `path` would create first), or None."""
+    missing = None
+    for p in (path, *path.parents):
+        if p.exists():
+            return missing
+        missing = p
+    return missing
+
+
+def _warn_if_too_small_to_train(data_dir: str) -> None:
+    """A corpus that pretrain's defaults would refuse is prepared, but said so now."""
+    default = config.train_preset("tiny")
+    data_cfg = input_pipeline.DataConfig(
+        data_dir, seq_len=default.model.seq_len, batch_size=default.batch_size
+    )
+    try:
+        input_pipeline.check_train_batch(data_cfg, process_count=1)
+    except ValueError as e:
+        logging.warning("too small for a default pretrain run (--preset=tiny): %s", e)
+
+
+def main(argv):
+    if not entry_points.start_cli(argv):
+        return EXIT_REFUSED
+    source = ",".join(_INPUTS.value) or f"stdlib:{documents.stdlib_root()}"
+    if (Path(_DATA_DIR.value) / corpus.META_FILE).exists() and not _OVERWRITE.value:
+        logging.error("refused: %s is already prepared; pass --overwrite", _DATA_DIR.value)
+        return EXIT_REFUSED
+    created = _first_missing(Path(_DATA_DIR.value))
+    try:
+        meta = _prepare(source)
+    except (FileNotFoundError, ValueError) as e:
+        # The inputs are read while the shards are written: a refusal found on the way
+        # removes the directories this run made, so no empty data_dir stays behind.
+        if created:
+            shutil.rmtree(created, ignore_errors=True)
+        logging.error("refused: %s", e)
+        return EXIT_REFUSED
     logging.info("wrote %s/%s", _DATA_DIR.value, corpus.META_FILE)
     print(corpus.summary(meta))
+    _warn_if_too_small_to_train(_DATA_DIR.value)
+    return 0
 
 
 if __name__ == "__main__":

@@ -52,12 +52,15 @@ Exit codes:
        unexpected error (traceback)
   2    refused: a bad flag or --set value (the message names the field), positional
        arguments (a stray word, or a value after a boolean flag), a --data_dir that is
-       not a prepared corpus or has more token ids than the model's vocabulary, the
-       workdir is locked by another run, or the checkpoint's config differs (the message
-       lists the fields), or checkpoints exist with --noresume, or the
-       resume would change the schedule (--steps) without --allow_schedule_change, or go
-       below the checkpoint, or one train step clearly cannot fit in memory
-       (twell_jax.step_memory: --seq_len has no positional limit, memory bounds it)
+       not a prepared corpus, has more token ids than the model's vocabulary or less
+       than one batch of training windows, a mesh (--mesh_data x --mesh_fsdp) that does
+       not fit the devices, a micro-batch (--batch_size / --grad_accum_steps) that does
+       not split evenly over them, one train step that clearly cannot fit in memory
+       (twell_jax.step_memory: --seq_len has no positional limit, memory bounds it): all
+       these before the workdir is created; or the workdir is locked by another run, or
+       the checkpoint's config differs (the message lists the fields), or checkpoints
+       exist with --noresume, or the resume would change the schedule (--steps) without
+       --allow_schedule_change, or go below the checkpoint
   3    diverged: a non-finite loss, gradient norm or state (past --skip_nonfinite);
        nothing saved after it
   130  interrupted by SIGINT (Ctrl-C) after saving a checkpoint; 143 for SIGTERM
@@ -90,13 +93,12 @@ from typing import Any
 import jax
 from absl import app, flags, logging
 
-from experiments import energy_flag, pretrain_run
+from experiments import energy_flag, entry_points
 from twell_jax import (
     checkpoint,
     corpus,
     energy,
     overrides,
-    run_data,
     run_guards,
     step_memory,
     trainer,
@@ -258,11 +260,18 @@ def resolve_config() -> config_lib.TrainConfig:
     try:
         return overrides.with_overrides(cfg, changes)
     except ValueError as e:
-        raise ValueError(f"invalid config override: {e}") from e
+        why = str(e)
+        if why.startswith("OptimConfig.warmup_steps=") and "optim.warmup_steps" not in changes:
+            # The value named is the preset's, which the user may not know they can set.
+            why += (
+                f" (the {_PRESET.value} preset's warmup: --steps must exceed it, or pass a "
+                "lower --warmup_steps)"
+            )
+        raise ValueError(f"invalid config override: {why}") from e
 
 
 def main(argv):
-    if not pretrain_run.start_cli(argv):
+    if not entry_points.start_cli(argv):
         return EXIT_REFUSED
     if _DISTRIBUTED.value:
         jax.distributed.initialize(  # before any other JAX call; None: auto-detect
@@ -284,10 +293,9 @@ def main(argv):
 
     if _DATA_DIR.value == corpus.DEFAULT_DATA_DIR:
         corpus.ensure_default_data(_DATA_DIR.value)  # zero-setup default corpus
-    # The corpus checks run here, not in trainer.run, which first creates the workdir
-    # for its lock.
+    # A missing corpus is refused before --init_from_hf's checks, which read it.
     try:
-        meta = corpus.load_meta(_DATA_DIR.value)
+        corpus.load_meta(_DATA_DIR.value)
     except (FileNotFoundError, ValueError) as e:
         logging.error("refused: %s", e)
         return EXIT_REFUSED
@@ -298,9 +306,11 @@ def main(argv):
     except (FileNotFoundError, ValueError) as e:
         logging.error("init_from_hf: %s", e)
         return 1  # a bad flag value
-    try:  # the final config: the workdir's HF record may have given the vocab size
-        run_data.check_vocab(cfg, meta, _DATA_DIR.value)
-    except ValueError as e:
+    # The final config (the workdir's HF record may have given the vocab size), checked
+    # here too so that a refusal is one line: trainer.run raises the same errors.
+    try:
+        trainer.check_run(cfg, _DATA_DIR.value)
+    except (FileNotFoundError, ValueError) as e:
         logging.error("refused: %s", e)
         return EXIT_REFUSED
     origin = f"{init_from_hf} (HF)" if init_from_hf else _PRESET.value

@@ -64,7 +64,8 @@ def train_corpus_bpe(
     validation loss is measured on text the tokenizer has not seen.
 
     Returns:
-      The tokenizer, saved as `data_dir/tokenizer.json`; pass it to `prepare_corpus`.
+      The tokenizer, saved as `data_dir/tokenizer.json`; pass it to `prepare_corpus`. A
+      corpus too small for `vocab_size` gives a smaller vocabulary (logged as a warning).
     """
     texts = [d.text for d in documents if not is_val(d.key, val_fraction)]
     if not any(texts):
@@ -73,7 +74,15 @@ def train_corpus_bpe(
             if texts
             else "no text to train a BPE on: the corpus has no training documents"
         )
-    return tokenizer_lib.train_bpe_from_texts(texts, vocab_size, Path(data_dir) / TOKENIZER_FILE)
+    tok = tokenizer_lib.train_bpe_from_texts(texts, vocab_size, Path(data_dir) / TOKENIZER_FILE)
+    if tok.vocab_size < vocab_size:
+        logging.warning(
+            "BPE vocabulary of %d tokens, not the %d requested: the training text is too "
+            "small for more merges",
+            tok.vocab_size,
+            vocab_size,
+        )
+    return tok
 
 
 class _ShardWriter:

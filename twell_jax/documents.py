@@ -125,8 +125,8 @@ def _decode(data: bytes, path: Path, on_invalid_utf8: str, offset: int = 0) -> t
         if on_invalid_utf8 == "error":
             raise ValueError(
                 f"{path}: invalid UTF-8 at byte offset {offset + e.start} "
-                f"({data[e.start : e.end]!r}); pass --on_invalid_utf8=replace "
-                "(on_invalid_utf8='replace') to replace invalid sequences with U+FFFD"
+                f"({data[e.start : e.end]!r}); pass --on_invalid_utf8=replace to replace "
+                "invalid sequences with U+FFFD"
             ) from None
     # Decode up to each invalid sequence and replace it: linear in len(data).
     view, parts, pos, replaced = memoryview(data), [], 0, 0

@@ -112,7 +112,8 @@ def _windows(
     if len(source) // process_count < per_process:
         raise ValueError(
             f"{split} split of {cfg.data_dir} has {len(source)} windows of {cfg.seq_len + 1} "
-            f"tokens, fewer than one batch of {per_process} per process x {process_count}"
+            f"tokens, fewer than one batch of {per_process} per process x {process_count} "
+            "(prepare more text, or lower seq_len or batch_size)"
         )
     ds = grain.MapDataset.source(source)[process_index::process_count]
     return ds, per_process, len(source) // process_count // per_process, meta
@@ -169,6 +170,21 @@ class DataIterator:
                 self._fingerprint["process_count"],
             )
         self._it.set_state(state["grain"])
+
+
+def check_train_batch(cfg: DataConfig, process_count: int | None = None) -> None:
+    """Raises what `make_train_iterator` would for a corpus it cannot read or whose train
+    split holds less than one batch per process, without building the pipeline.
+
+    Args:
+      cfg: the data config.
+      process_count: defaults to `jax.process_count()` (which starts JAX's backend).
+
+    Raises:
+      FileNotFoundError / ValueError: as `make_train_iterator`.
+    """
+    count = jax.process_count() if process_count is None else process_count
+    _windows(cfg, "train", 0, count)  # the same check on every process
 
 
 def make_train_iterator(

@@ -225,6 +225,19 @@ def _microbatches(x: jax.Array, n: int) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, P(None, BATCH_AXES))
 
 
+def check_batch_split(cfg: TrainConfig, mesh: Mesh) -> None:
+    """Raises ValueError unless each micro-batch splits evenly over the mesh's devices
+    (`make_train_step` needs it; a run checks it before writing anything)."""
+    micro_batch = cfg.batch_size // cfg.optim.grad_accum_steps
+    if micro_batch % mesh.size:
+        raise ValueError(
+            f"TrainConfig.batch_size={cfg.batch_size}: micro-batches of {micro_batch} "
+            f"sequences (grad_accum_steps={cfg.optim.grad_accum_steps}) must split evenly "
+            f"over the {mesh.size} devices of the mesh: make it a multiple of "
+            f"{cfg.optim.grad_accum_steps * mesh.size}"
+        )
+
+
 def make_train_step(
     cfg: TrainConfig, mesh: Mesh, *, skip_nonfinite: bool = False
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
@@ -259,13 +272,7 @@ def make_train_step(
         raise ValueError(
             "ModelConfig.ffn_impl='twell' is inference-only: train with 'dense' or 'sparse'"
         )
-    micro_batch = cfg.batch_size // cfg.optim.grad_accum_steps
-    if micro_batch % mesh.size:
-        raise ValueError(
-            f"TrainConfig.batch_size={cfg.batch_size}: micro-batches of {micro_batch} "
-            f"sequences (grad_accum_steps={cfg.optim.grad_accum_steps}) must split evenly "
-            f"over the {mesh.size} devices of the mesh"
-        )
+    check_batch_split(cfg, mesh)
     graphdef = model_graphdef(cfg.model)
     optimizer = make_optimizer(cfg.optim)
     schedule = lr_schedule(cfg.optim)

@@ -2,12 +2,14 @@
 
 `run(cfg, opts)` does everything after the config is resolved:
 
-1. takes the workdir lock (`twell_jax.run_guards.WorkdirLock`: `<workdir>/run.lock`,
+1. checks the run before touching the workdir (`check_run`): reads the prepared corpus
+   (`twell_jax.corpus`, `twell_jax.input_pipeline`), builds the mesh, and refuses a
+   mesh that does not fit the devices, a micro-batch that does not split over it, a
+   config whose train step clearly cannot fit in memory (`twell_jax.step_memory`) and
+   a train split without one batch;
+2. takes the workdir lock (`twell_jax.run_guards.WorkdirLock`: `<workdir>/run.lock`,
    holding host and pid; a second run on the same workdir is refused with
-   `WorkdirLockedError`);
-2. reads the prepared corpus (`twell_jax.corpus`, `twell_jax.input_pipeline`), builds the
-   mesh, refuses a config whose train step clearly cannot fit in memory
-   (`twell_jax.step_memory`), and builds the train state and the data iterator;
+   `WorkdirLockedError`), and builds the train state and the data iterator;
 3. restores the newest checkpoint of `<workdir>/checkpoints` if there is one (train
    state, data-iterator position; a different saved config is a `ConfigMismatchError`,
    a different `optim.total_steps` a `ScheduleChangeError` unless
@@ -131,6 +133,35 @@ class RunOptions:
     energy: bool = False
 
 
+# What `check_run` read and built: the corpus's meta, the mesh, the step's memory need.
+Checked = tuple[dict[str, Any], jax.sharding.Mesh, step_memory.StepMemory]
+
+
+def _data_config(cfg: TrainConfig, data_dir: str) -> input_pipeline.DataConfig:
+    return input_pipeline.DataConfig(
+        data_dir, seq_len=cfg.model.seq_len, batch_size=cfg.batch_size, seed=cfg.seed
+    )
+
+
+def check_run(cfg: TrainConfig, data_dir: str) -> Checked:
+    """The checks of a run that need no workdir, so that `run` (and a CLI before it)
+    refuses a bad config before anything is written: the corpus is prepared and fits the
+    vocabulary, the mesh fits the devices, the micro-batch splits over it, one train step
+    fits in memory, and the train split holds a batch.
+
+    Raises:
+      FileNotFoundError: `data_dir` is not a prepared corpus.
+      ValueError: naming what does not fit (`StepMemoryError` for the memory).
+    """
+    meta = corpus.load_meta(data_dir)
+    run_data.check_vocab(cfg, meta, data_dir)
+    mesh = sharding.make_mesh(*cfg.mesh_shape)
+    train.check_batch_split(cfg, mesh)
+    need = step_memory.check_fits(cfg, mesh)
+    input_pipeline.check_train_batch(_data_config(cfg, data_dir))
+    return meta, mesh, need
+
+
 def _restore_or_init(cfg, mesh, ckpt, train_iter, opts) -> tuple[train.TrainState, int]:
     """The newest checkpoint's state (and data position) if resuming, else a fresh state;
     and the run's skipped-step count so far.
@@ -193,7 +224,9 @@ def run(
       the last `val_ce` when they exist.
 
     Raises:
-      ValueError: the corpus's vocabulary does not fit the model.
+      ValueError: before the workdir is touched (`check_run`): the corpus's vocabulary
+        does not fit the model, the mesh does not fit the devices, the micro-batch does
+        not split over the mesh, or the train split holds less than one batch.
       ConfigMismatchError: (a ValueError, `twell_jax.checkpoint`) the saved config
         differs from `cfg`.
       ResumeRefusedError: (a ValueError) checkpoints exist while `opts.resume` is off.
@@ -208,12 +241,13 @@ def run(
     """
     with StopRequest() as stop:
         logging.info("run %s: Ctrl-C / SIGTERM saves a checkpoint and exits", opts.workdir)
+        checked = check_run(cfg, opts.data_dir)  # before the lock creates the workdir
         # Process 0 locks the (shared) workdir; the others follow its lead.
         lock = WorkdirLock(opts.workdir) if jax.process_index() == 0 else None
         if lock:
             lock.acquire()
         try:
-            trainer = _Trainer(cfg, opts, clock)
+            trainer = _Trainer(cfg, opts, clock, checked)
             try:
                 return trainer.train(stop)
             finally:
@@ -226,16 +260,12 @@ def run(
 class _Trainer:
     """One run's state and outputs; `train` is the loop, the other methods its steps."""
 
-    def __init__(self, cfg: TrainConfig, opts: RunOptions, clock: progress.Clock):
+    def __init__(self, cfg: TrainConfig, opts: RunOptions, clock: progress.Clock, checked: Checked):
         self.cfg, self.opts, self.clock = cfg, opts, clock
         self.workdir = Path(opts.workdir)
         self.lead = jax.process_index() == 0
-        meta = corpus.load_meta(opts.data_dir)
-        run_data.check_vocab(cfg, meta, opts.data_dir)
+        meta, mesh, need = checked
         logging.info("data %s: %s", opts.data_dir, corpus.summary(meta))
-
-        mesh = sharding.make_mesh(*cfg.mesh_shape)
-        need = step_memory.check_fits(cfg, mesh)
         logging.info(
             "mesh %s over %d %s device(s), %d process(es); a train step needs at least "
             "%.2f GiB per device",
@@ -257,9 +287,7 @@ class _Trainer:
             all_finite,
             out_shardings=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()),
         )
-        data_cfg = input_pipeline.DataConfig(
-            opts.data_dir, seq_len=cfg.model.seq_len, batch_size=cfg.batch_size, seed=cfg.seed
-        )
+        data_cfg = _data_config(cfg, opts.data_dir)
         self.train_iter = input_pipeline.make_train_iterator(data_cfg)
         self.ckpt = checkpoint.Checkpointer(
             self.workdir / CHECKPOINT_DIR, max_to_keep=opts.max_to_keep

@@ -20,3 +20,12 @@ def run_module(module: str, *args: str, timeout: int = 300) -> subprocess.Comple
         text=True,
         timeout=timeout,
     )
+
+
+def refusal(proc: subprocess.CompletedProcess) -> str:
+    """The one line a refused CLI run writes to stderr after its log lines, checked for
+    exit code 2 and no traceback or help text."""
+    assert proc.returncode == 2, proc.stderr[-4000:]
+    assert "Traceback" not in proc.stderr and "Exit codes:" not in proc.stderr
+    (line,) = [line for line in proc.stderr.splitlines() if "refused: " in line]
+    return line

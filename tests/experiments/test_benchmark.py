@@ -12,7 +12,7 @@ import pytest
 
 import pallas_kernels
 from experiments import results_table
-from tests.experiments.cli import run_module
+from tests.experiments.cli import refusal, run_module
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -91,6 +91,34 @@ def test_train_benchmark_runs_on_cpu_with_the_xla_kernels():
         assert max(rec["grad_rel_err"].values()) < 2e-2  # bf16, norm-relative
         assert rec["sparse_ms"] > 0 and rec["dense_ms"] > 0
         assert {"gate_gemm", "compact", "spmm_csc"} <= set(rec["breakdown_ms"])
+
+
+def test_on_cpu_the_kernel_mode_is_refused_and_the_train_mode_prints_its_records():
+    kernel = run_module("benchmark", "--mode=kernel", "--tokens=256", "--d_model=128")
+    assert "refused: --mode=kernel times the Pallas kernels and needs a GPU" in refusal(kernel)
+    heavy = run_module("benchmark", "--mode=model", "--pattern=heavy_rows")
+    assert "--pattern=heavy_rows is not implemented for --mode=model" in refusal(heavy)
+    flags = ["--train_tokens=64", "--d_model=64", "--d_ff=256", "--train_nnz=10", "--reps=2"]
+    train = run_module("benchmark", "--mode=train", *flags)
+    assert train.returncode == 0, train.stderr[-3000:]
+    (rec,) = [json.loads(line) for line in train.stdout.splitlines()]
+    assert rec["M"] == 64 and rec["nnz_target"] == 10 and rec["sparse_ms"] > 0
+    assert train.stderr.count("CPU timings say nothing about GPU speed") == 1
+
+
+def test_the_train_tune_mode_prints_its_records():
+    # The real sweep takes a minute on the CPU: its records are stubbed, the printing is not.
+    code = (
+        "import sys; from absl import app; from experiments import benchmark, benchmark_train; "
+        "benchmark_train.tune = lambda **kw: [{'launch': kw['M']}]; "
+        "sys.argv = ['benchmark', '--mode=train_tune', '--train_tokens=64']; "
+        "app.run(benchmark.main)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines() == ['{"launch": 64}']
 
 
 def test_results_table_names_a_file_that_is_not_a_benchmark_output(tmp_path, caplog):

@@ -5,8 +5,10 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from tests.corpora import write_text_corpus
+from tests.experiments.cli import refusal
 from twell_jax import corpus, tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -44,9 +46,11 @@ def test_invalid_utf8_fails_naming_file_and_offset_unless_replaced(tmp_path):
     bad = tmp_path / "bad.txt"
     bad.write_bytes(b"hello \xff world \xc3( end")
     run = _run(tmp_path, f"--inputs={bad}")
-    assert run.returncode != 0
-    assert f"{bad}: invalid UTF-8 at byte offset 6" in run.stderr
-    assert not (tmp_path / "out" / corpus.META_FILE).exists()
+    assert (
+        f"{bad}: invalid UTF-8 at byte offset 6 (b'\\xff'); pass --on_invalid_utf8=replace to "
+        in (refusal(run))
+    )
+    assert not (tmp_path / "out").exists()
     run = _run(tmp_path, f"--inputs={bad}", "--on_invalid_utf8=replace", "--val_fraction=0")
     assert run.returncode == 0, run.stderr
     assert "replaced 2 invalid UTF-8 sequences" in run.stderr
@@ -71,3 +75,45 @@ def test_corpus_too_small_for_val_warns_with_counts(tmp_path):
     run = _run(tmp_path, f"--inputs={one}", "--val_fraction=0.01")
     assert run.returncode == 0, run.stderr
     assert "too small for a validation split: none of its 1 documents (25 tokens)" in run.stderr
+
+
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        ("empty_dir", None, "empty_dir holds no .txt/.md/.rst/.py/.jsonl files"),
+        ("missing", "", "corpus path not found: "),
+        ("a.bin", b"\x7fELF\x02\x01\x01\x00\x80\x81", "a.bin: invalid UTF-8 at byte offset 8"),
+        ("a.jsonl", b'{"txt": "a"}\n', "a.jsonl:1: expected an object with a string 'text' field"),
+        ("b.jsonl", b'{"text": "a"}\n{bad\n', "b.jsonl:2: invalid JSON: "),
+    ],
+)
+def test_an_input_it_cannot_read_is_one_refused_line_leaving_no_data_dir(
+    tmp_path, name, content, message
+):
+    path = tmp_path / name
+    if content is None:
+        path.mkdir()
+    elif content:
+        path.write_bytes(content)
+    run = _run(tmp_path, f"--inputs={path}", f"--data_dir={tmp_path / 'out' / 'sub'}")
+    assert message in refusal(run)
+    assert not (tmp_path / "out").exists()  # nor the parent the run would have made
+
+
+def test_an_already_prepared_data_dir_is_one_refused_line(tmp_path):
+    one = tmp_path / "one.txt"
+    one.write_text("a single short document\n")
+    assert _run(tmp_path, f"--inputs={one}").returncode == 0
+    again = _run(tmp_path, f"--inputs={one}")
+    assert "out is already prepared; pass --overwrite" in refusal(again)
+    assert len(again.stderr.splitlines()) == 1
+
+
+def test_warns_when_the_corpus_is_smaller_than_asked_or_than_a_default_run(tmp_path):
+    one = tmp_path / "one.txt"
+    one.write_text("a single short document\n")
+    run = _run(tmp_path, f"--inputs={one}", "--bpe_vocab_size=512", "--val_fraction=0")
+    assert run.returncode == 0, run.stderr
+    vocab = corpus.load_meta(tmp_path / "out")["tokenizer"]["vocab_size"]
+    assert vocab < 512 and f"BPE vocabulary of {vocab} tokens, not the 512 requested" in run.stderr
+    assert "too small for a default pretrain run (--preset=tiny): train split of" in run.stderr

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.experiments.cli import run_module
+from tests.experiments.cli import refusal, run_module
 from tests.fake_pynvml import install_module
 from twell_jax import corpus, documents, metrics, tokenizer
 
@@ -281,20 +281,20 @@ def test_a_seq_len_too_long_for_memory_exits_2_before_compiling(tmp_path, data_d
     proc = run_cli(workdir, data_dir, cache_dir, "--seq_len=1048576", check=False)
     assert proc.returncode == 2, proc.stderr[-4000:]
     assert "refused: model.seq_len=1048576" in proc.stderr and "To fit: " in proc.stderr
-    assert "compiled" not in proc.stderr and not (workdir / "config.json").exists()
+    assert "compiled" not in proc.stderr and not workdir.exists()
 
 
 def test_log_filter_drops_only_orbax_info_and_unavailable_backend_notes():
     import logging
 
-    from experiments import pretrain_run
+    from experiments import entry_points
 
     def record(path, level, msg):
         return logging.LogRecord("absl", level, path, 1, msg, None, None)
 
     bridge = "/site-packages/jax/_src/xla_bridge.py"
     tpu = "Unable to initialize backend 'tpu': INTERNAL: Failed to open libtpu.so"
-    keep = pretrain_run.keep_log_record
+    keep = entry_points.keep_log_record
     orbax = "/x/orbax/checkpoint/a.py"
     assert not keep(record(bridge, logging.INFO, tpu))
     assert not keep(record(orbax, logging.INFO, "saved"))
@@ -373,7 +373,7 @@ def test_trained_checkpoint_neuron_profile_and_captured_benchmark(straight, data
     too_many = subprocess.run(
         [sys.executable, *cli, "--batch=100000"], cwd=REPO, capture_output=True, text=True
     )
-    assert "fewer than one batch of 100000" in _refusal(too_many)
+    assert "fewer than one batch of 100000" in refusal(too_many)
     prof = json.loads(out.read_text())
     assert prof["step"] == 6 and prof["tokens"] == 64 and len(prof["layers"]) == 2
     for rec in prof["layers"]:
@@ -447,15 +447,6 @@ def test_energy_flag_logs_joules_per_token_or_stops_before_writing(tmp_path, dat
         assert not (fresh / "config.json").exists()
 
 
-def _refusal(proc: subprocess.CompletedProcess) -> str:
-    """The one line a refused CLI run writes to stderr after its log lines, checked for
-    exit code 2 and no traceback or help text."""
-    assert proc.returncode == 2, proc.stderr[-4000:]
-    assert "Traceback" not in proc.stderr and "Exit codes:" not in proc.stderr
-    (line,) = [line for line in proc.stderr.splitlines() if "refused: " in line]
-    return line
-
-
 @pytest.mark.parametrize(
     "flag, message",
     [
@@ -469,7 +460,7 @@ def _refusal(proc: subprocess.CompletedProcess) -> str:
 )
 def test_a_bad_config_value_is_one_refused_line(tmp_path, data_dir, cache_dir, flag, message):
     proc = run_cli(tmp_path / "run", data_dir, cache_dir, flag, check=False)
-    assert message in _refusal(proc)
+    assert message in refusal(proc)
     assert len(proc.stderr.splitlines()) == 1 and not (tmp_path / "run").exists()
 
 
@@ -478,11 +469,39 @@ def test_a_corpus_the_run_cannot_read_is_refused_before_the_workdir_exists(
 ):
     workdir = tmp_path / "run"
     proc = run_cli(workdir, tmp_path / "nope", cache_dir, check=False)
-    assert "nope/meta.json not found: prepare the corpus with" in _refusal(proc)
+    assert "nope/meta.json not found: prepare the corpus with" in refusal(proc)
     assert not workdir.exists()
     proc = run_cli(workdir, data_dir, cache_dir, "--set=model.vocab_size=128", check=False)
-    assert "uses a tokenizer of 257 ids (byte) but model.vocab_size=128" in _refusal(proc)
+    assert "uses a tokenizer of 257 ids (byte) but model.vocab_size=128" in refusal(proc)
     assert not workdir.exists()
+
+
+def test_the_presets_own_warmup_above_steps_is_refused_saying_what_to_change(tmp_path):
+    proc = run_module("pretrain", "--preset=tiny", "--steps=20", f"--workdir={tmp_path / 'run'}")
+    assert "(the tiny preset's warmup: --steps must exceed it, or pass a lower --warmup_steps)" in (
+        refusal(proc)
+    )
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_mesh_batch_or_corpus_the_devices_cannot_run_is_refused_before_the_workdir_exists(
+    tmp_path, monkeypatch, data_dir, cache_dir
+):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    small = tmp_path / "small"  # 11 tokens: not one window of 33
+    byte = tokenizer.load_tokenizer("byte")
+    corpus.prepare_corpus([documents.Document("a.txt", "tiny corpus")], small, byte, source="a")
+    workdir = tmp_path / "run"
+    for data, flags, message in [
+        (data_dir, ["--batch_size=12"], "micro-batches of 12 sequences (grad_accum_steps=1)"),
+        (data_dir, ["--batch_size=8", "--grad_accum_steps=2"], "make it a multiple of 16"),
+        (data_dir, ["--mesh_data=3"], "mesh (data=3, fsdp=1) does not fit 8 devices"),
+        (data_dir, ["--mesh_data=2", "--mesh_fsdp=2"], "mesh (data=2, fsdp=2) does not fit"),
+        (small, ["--batch_size=8"], "has 0 windows of 33 tokens, fewer than one batch of 8"),
+    ]:
+        proc = run_cli(workdir, data, cache_dir, *flags, check=False)
+        assert message in refusal(proc), flags
+        assert not workdir.exists(), flags
 
 
 def test_ffn_impl_help_lists_every_implementation():
@@ -496,10 +515,10 @@ def test_neuron_profile_refusals_are_one_line():
     def profile(*args):
         return run_module("neuron_profile", *args)
 
-    assert "runs/no_such_run" in _refusal(profile("--workdir=runs/no_such_run"))
-    assert "--batch=0: must be at least 1" in _refusal(profile("--workdir=x", "--batch=0"))
+    assert "runs/no_such_run" in refusal(profile("--workdir=runs/no_such_run"))
+    assert "--batch=0: must be at least 1" in refusal(profile("--workdir=x", "--batch=0"))
     no_dir = profile("--workdir=x", "--out=/nonexistent_dir/profile.json")
-    assert "--out=/nonexistent_dir/profile.json: no directory" in _refusal(no_dir)
+    assert "--out=/nonexistent_dir/profile.json: no directory" in refusal(no_dir)
 
 
 def test_quality_report_labels_runs_apart_by_directory():

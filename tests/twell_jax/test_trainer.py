@@ -61,17 +61,30 @@ def _copy(src, tmp_path):
 # --- workdir lock ---------------------------------------------------------------
 
 
-def test_run_refuses_a_locked_workdir_and_releases_on_errors(tmp_path, data_dir):
+def test_run_refuses_a_locked_workdir_and_releases_on_errors(tmp_path, data_dir, monkeypatch):
     workdir = tmp_path / "run"
     opts = trainer.RunOptions(str(workdir), data_dir)
     with run_guards.WorkdirLock(workdir):
         with pytest.raises(run_guards.WorkdirLockedError, match="in use by pid"):
             trainer.run(tiny_config(), opts)
         assert not (workdir / trainer.CONFIG_FILE).exists()
-    # An error inside the run (no corpus) still removes the lock.
+    # An error inside the run (no energy meter) still removes the lock.
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    with pytest.raises(energy.EnergyUnavailableError):
+        trainer.run(tiny_config(), dataclasses.replace(opts, energy=True))
+    assert not (workdir / run_guards.LOCK_FILE).exists()
+
+
+def test_what_needs_no_workdir_is_checked_before_the_lock_creates_it(tmp_path, data_dir):
+    workdir = tmp_path / "run"
+    opts = trainer.RunOptions(str(workdir), data_dir)
     with pytest.raises(FileNotFoundError):
         trainer.run(tiny_config(), dataclasses.replace(opts, data_dir=str(tmp_path / "none")))
-    assert not (workdir / run_guards.LOCK_FILE).exists()
+    with pytest.raises(ValueError, match=r"mesh \(data=2, fsdp=1\) does not fit 1 devices"):
+        trainer.run(tiny_config(mesh_shape=(2, 1)), opts)
+    with pytest.raises(ValueError, match="fewer than one batch of 4096 per process"):
+        trainer.run(dataclasses.replace(tiny_config(), batch_size=4096), opts)
+    assert not workdir.exists()
 
 
 def test_a_step_that_cannot_fit_is_refused_before_anything_is_written(
