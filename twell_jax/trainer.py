@@ -81,13 +81,15 @@ FINITE_METRICS = ("loss", "grad_norm")
 SKIPPED_KEY = "skipped_steps"
 # Config keys that may change between a checkpoint and its resumption, on top of the
 # checkpointer's defaults (step counts, cadences): restore reshards onto any mesh, and
-# neither remat (nor what it saves) nor the inference-only TwELL compression changes
-# the training numbers.
+# neither remat (nor what it saves), the micro-batching of the same batch nor the
+# inference-only TwELL compression changes the training numbers (a run moved to fewer
+# devices may need more micro-batches, which the memory check suggests).
 # Keys that change speed or memory, not the function trained (both switch branches
 # compute the same FFN).
 RESUME_IGNORE_KEYS = (
     *checkpoint.DEFAULT_IGNORE_KEYS,
     *("mesh_shape", "remat", "sparse_save_residuals", "twell_compression"),
+    "grad_accum_steps",
     *("sparse_switch", "sparse_l0_cutoff"),
 )
 

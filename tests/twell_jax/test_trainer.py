@@ -229,6 +229,20 @@ def test_allowed_schedule_change_continues_on_the_new_schedule(tmp_path, finishe
     assert json.loads((workdir / trainer.CONFIG_FILE).read_text())["optim"]["total_steps"] == 3
 
 
+def test_a_resume_may_split_the_same_batch_into_more_micro_batches(tmp_path, finished, data_dir):
+    """grad_accum_steps changes how a step's batch is cut, not the step (what a run
+    moved to fewer devices may need); the learning rate still may not change."""
+    workdir = _copy(finished, tmp_path)
+    opts = trainer.RunOptions(str(workdir), data_dir, allow_schedule_change=True)
+    micro = tiny_config(steps=3)
+    micro = dataclasses.replace(micro, optim=dataclasses.replace(micro.optim, grad_accum_steps=2))
+    assert trainer.run(micro, opts)["step"] == 3
+    with pytest.raises(checkpoint.ConfigMismatchError, match=r"optim\.lr"):
+        trainer.run(
+            dataclasses.replace(micro, optim=dataclasses.replace(micro.optim, lr=1.0)), opts
+        )
+
+
 # --- energy per token ------------------------------------------------------------------
 
 
