@@ -32,7 +32,7 @@ from pathlib import Path
 from absl import app, flags, logging
 
 from experiments import entry_points
-from twell_jax import config, corpus, documents, input_pipeline, tokenizer
+from twell_jax import corpus, documents, tokenizer
 
 _DATA_DIR = flags.DEFINE_string("data_dir", None, "Output directory.", required=True)
 _INPUTS = flags.DEFINE_list(
@@ -99,6 +99,12 @@ def _first_missing(path: Path) -> Path | None:
 
 def _warn_if_too_small_to_train(data_dir: str) -> None:
     """A corpus that pretrain's defaults would refuse is prepared, but said so now."""
+    # Imported here: it brings JAX and grain, which --help, a refusal and the
+    # preparation itself do without.
+    try:
+        from twell_jax import config, input_pipeline
+    except ImportError:
+        return
     default = config.train_preset("tiny")
     data_cfg = input_pipeline.DataConfig(
         data_dir, seq_len=default.model.seq_len, batch_size=default.batch_size
