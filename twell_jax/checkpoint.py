@@ -10,6 +10,12 @@ may legitimately change, e.g. total steps) and, if the latest step cannot be rea
 to the newest readable one and moves the unreadable directories aside (never deletes them),
 logging one line per step moved and writing the full error into the moved directory. What
 Orbax and TensorStore print about a failed read is held back and dropped (`QuietReads`).
+
+A reader of a run's checkpoints (generation, export, a benchmark), possibly beside the run
+still training, opens the directory `read_only`: nothing is created, moved or deleted
+(a writer's manager deletes the temporary directory of a save in progress as a
+leftover), and `restore_params` reads the parameters alone, from the newest step whose
+parameters are readable.
 """
 
 import os
