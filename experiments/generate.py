@@ -109,7 +109,14 @@ def _prompts(tok, bos: int | None) -> list[list[int]]:
     if bool(_PROMPT.value) == (_PROMPT_IDS.value is not None):
         raise ValueError("give exactly one of --prompt and --prompt_ids")
     if _PROMPT_IDS.value is not None:
-        return [_ids(row, "--prompt_ids") for row in _PROMPT_IDS.value.split(";")]
+        prompts = [_ids(row, "--prompt_ids") for row in _PROMPT_IDS.value.split(";")]
+        beyond = sorted({i for row in prompts for i in row if tok and i >= tok.vocab_size})
+        if beyond:  # valid model ids (the vocabulary is padded), but no text
+            logging.warning(
+                "--prompt_ids %s are past the tokenizer's %d ids: the model reads them, "
+                "their text shows as U+FFFD", beyond[:8], tok.vocab_size
+            )  # fmt: skip
+        return prompts
     if tok is None:
         raise ValueError("--prompt needs a tokenizer: pass --tokenizer, or use --prompt_ids")
     head = [bos] if bos is not None and _ADD_BOS.value else []

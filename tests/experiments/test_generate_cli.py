@@ -110,6 +110,13 @@ def test_workdir_generation_and_export(tmp_path, workdir):
     assert into_run.returncode == 2 and "is not empty (it holds checkpoints" in into_run.stderr
 
 
+def test_prompt_ids_past_the_tokenizer_are_read_with_a_warning():
+    """Ids below the model's padded vocabulary but past the tokenizer's are the model's
+    to read (no refusal), and the warning says why their text is U+FFFD."""
+    proc = run("generate", f"--hf_dir={HF_TINY}", "--prompt_ids=1,2,100", "--max_new_tokens=2")
+    assert "--prompt_ids [100] are past the tokenizer's 98 ids" in proc.stderr
+
+
 def test_bad_requests_are_refused_before_any_output(tmp_path):
     """A single prompt's text is streamed only once every check has passed."""
     hf = f"--hf_dir={HF_TINY}"
