@@ -13,12 +13,14 @@ from __future__ import annotations
 
 from absl import app
 
-from experiments import benchmark_train
+from experiments import benchmark_train, entry_points
+
+EXIT_REFUSED = 2
 
 
-def main(argv) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+def main(argv) -> int:
+    if not entry_points.start_cli(argv):
+        return EXIT_REFUSED
     (rec,) = benchmark_train.run(
         M=16384, H=2048, N=5632, nnz_targets=(29.0,), reps=1, heavy_rows=3000, breakdown=False
     )
@@ -32,6 +34,7 @@ def main(argv) -> None:
         f"heavy: fallback {rec['dense_fallback']} tail_rows {rec['tail_rows']} "
         f"loss {rec['sparse_loss']} {rec['dense_loss']} grad rel (dx, dWg, dWu, dWd) {errs}"
     )
+    return 0
 
 
 if __name__ == "__main__":

@@ -94,15 +94,7 @@ import jax
 from absl import app, flags, logging
 
 from experiments import energy_flag, entry_points
-from twell_jax import (
-    checkpoint,
-    corpus,
-    energy,
-    overrides,
-    run_guards,
-    step_memory,
-    trainer,
-)
+from twell_jax import checkpoint, corpus, energy, overrides, run_guards, trainer
 from twell_jax import config as config_lib
 from twell_jax.hf import init as hf_init
 
@@ -151,7 +143,6 @@ REFUSALS = (
     run_guards.ScheduleChangeError,
     run_guards.ResumeRefusedError,
     checkpoint.ConfigMismatchError,
-    step_memory.StepMemoryError,
 )
 EXIT_DIVERGED = 3
 _DISTRIBUTED = flags.DEFINE_bool(
@@ -307,9 +298,9 @@ def main(argv):
         logging.error("init_from_hf: %s", e)
         return 1  # a bad flag value
     # The final config (the workdir's HF record may have given the vocab size), checked
-    # here too so that a refusal is one line: trainer.run raises the same errors.
+    # here so that a refusal is one line; trainer.run takes what the checks built.
     try:
-        trainer.check_run(cfg, _DATA_DIR.value)
+        checked = trainer.check_run(cfg, _DATA_DIR.value)
     except (FileNotFoundError, ValueError) as e:
         logging.error("refused: %s", e)
         return EXIT_REFUSED
@@ -331,7 +322,7 @@ def main(argv):
         ),
     )
     try:
-        summary = trainer.run(cfg, opts)
+        summary = trainer.run(cfg, opts, checked=checked)
     except REFUSALS as e:
         logging.error("refused: %s", e)
         return EXIT_REFUSED

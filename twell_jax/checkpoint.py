@@ -221,14 +221,8 @@ class Checkpointer:
         def read(candidate: int) -> Restored:
             params = abstract_params(candidate) if callable(abstract_params) else abstract_params
             target = {"params": jax.tree.map(_abstract, params)}
-            metadata = self._read(
-                candidate, "state metadata", lambda: self._manager.item_metadata(candidate)
-            )
-            _check_shapes(_shapes(metadata.state), _shapes(target), candidate)
             args = ocp.args.Composite(state=self._state_args(target, partial=True))
-            restored = self._read(
-                candidate, "params", lambda: self._manager.restore(candidate, args=args)
-            )
+            restored = self._restore_shaped(candidate, target, "params", args)
             return Restored(restored.state, {}, candidate)
 
         return self._newest_readable(read, step)
@@ -304,13 +298,18 @@ class Checkpointer:
         saved_config = self.saved_config(step)
         if config is not None:
             check_config(saved_config, config, ignore_keys, where=f"checkpoint step {step}")
-        metadata = self._read(step, "state metadata", lambda: self._manager.item_metadata(step))
-        _check_shapes(_shapes(metadata.state), _shapes(abstract_state), step)
         args = ocp.args.Composite(
             state=self._state_args(abstract_state), data=ocp.args.JsonRestore()
         )
-        restored = self._read(step, "state/data", lambda: self._manager.restore(step, args=args))
+        restored = self._restore_shaped(step, abstract_state, "state/data", args)
         return Restored(restored.state, restored.data, step)
+
+    def _restore_shaped(self, step: int, target: Any, what: str, args: ocp.args.Composite):
+        """`args`' items of `step`, once its state's array shapes are checked against
+        `target`'s (a changed model is a ValueError, not a corrupt step)."""
+        metadata = self._read(step, "state metadata", lambda: self._manager.item_metadata(step))
+        _check_shapes(_shapes(metadata.state), _shapes(target), step)
+        return self._read(step, what, lambda: self._manager.restore(step, args=args))
 
     def _read(self, step: int, what: str, read: Callable[[], Any]) -> Any:
         """`read()`, or a CheckpointCorruptError naming the step and `what` was read.

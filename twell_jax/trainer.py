@@ -208,7 +208,10 @@ def _restore_or_init(cfg, mesh, ckpt, train_iter, opts) -> tuple[train.TrainStat
 
 
 def run(
-    cfg: TrainConfig, opts: RunOptions, clock: progress.Clock = time.perf_counter
+    cfg: TrainConfig,
+    opts: RunOptions,
+    clock: progress.Clock = time.perf_counter,
+    checked: Checked | None = None,
 ) -> dict[str, Any]:
     """Trains (or resumes training) to `cfg.optim.total_steps`, or until SIGINT / SIGTERM.
 
@@ -219,6 +222,8 @@ def run(
       cfg: the resolved run config.
       opts: run directory, data directory, checkpoint retention, resume switch.
       clock: seconds, like `time.perf_counter` (the progress lines' times and ETA).
+      checked: what `check_run(cfg, opts.data_dir)` returned, where the caller ran it
+        already (to refuse a bad config its own way); None runs it here.
 
     Returns:
       Summary dict: `step` reached, `interrupted` (and then `signal`, e.g. "SIGINT"),
@@ -243,7 +248,8 @@ def run(
     """
     with StopRequest() as stop:
         logging.info("run %s: Ctrl-C / SIGTERM saves a checkpoint and exits", opts.workdir)
-        checked = check_run(cfg, opts.data_dir)  # before the lock creates the workdir
+        if checked is None:  # before the lock creates the workdir
+            checked = check_run(cfg, opts.data_dir)
         # Process 0 locks the (shared) workdir; the others follow its lead.
         lock = WorkdirLock(opts.workdir) if jax.process_index() == 0 else None
         if lock:
