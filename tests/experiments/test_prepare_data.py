@@ -1,32 +1,24 @@
 """`python -m experiments.prepare_data`: a BPE trained on the corpus, then its shards."""
 
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from tests.corpora import write_text_corpus
-from tests.experiments.cli import refusal
+from tests.experiments.cli import refusal, run_module
 from twell_jax import corpus, tokenizer
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def test_prepare_data_cli_with_bpe(tmp_path):
     paths, texts = write_text_corpus(tmp_path)
     out = tmp_path / "cli"
-    cmd = [
-        sys.executable,
-        "-m",
-        "experiments.prepare_data",
+    proc = run_module(
+        "prepare_data",
         f"--data_dir={out}",
         f"--inputs={paths[0]},{paths[1]}",
         "--bpe_vocab_size=300",
         "--val_fraction=0.25",
-    ]
-    subprocess.run(cmd, check=True, capture_output=True, cwd=REPO)
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
     meta = corpus.load_meta(out)
     assert meta["tokenizer"]["spec"] == corpus.TOKENIZER_FILE
     tok = tokenizer.load_tokenizer(out / meta["tokenizer"]["spec"])
@@ -38,8 +30,7 @@ def test_prepare_data_cli_with_bpe(tmp_path):
 
 
 def _run(tmp_path, *args):
-    cmd = [sys.executable, "-m", "experiments.prepare_data", f"--data_dir={tmp_path / 'out'}"]
-    return subprocess.run([*cmd, *args], capture_output=True, text=True, cwd=REPO)
+    return run_module("prepare_data", f"--data_dir={tmp_path / 'out'}", *args)
 
 
 def test_invalid_utf8_fails_naming_file_and_offset_unless_replaced(tmp_path):
