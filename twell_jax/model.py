@@ -127,6 +127,34 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return rotate_half(x, cos, sin)
 
 
+# Sequences per call of the attention block (per batch shard). cuDNN's backward keeps an
+# fp32 dQ accumulator over its whole batch (16 MiB per 2048-token sequence at 32 heads of
+# 64): at large micro-batches that set the training step's peak, so larger batches run
+# the block in chunks (docs/performance_notes.md, "Training-step memory").
+ATTENTION_CHUNK_SEQS = 32
+
+
+def in_sequence_chunks(fn: Callable[[jax.Array], jax.Array], x: jax.Array) -> jax.Array:
+    """`fn(x)` for a per-sequence fn: x [B, ...] -> [B, ...], run on chunks of at most
+    `ATTENTION_CHUNK_SEQS` sequences of each batch shard when B is larger.
+
+    A chunk takes the same rows of every shard (a [shards, chunks, rows] view of B), so
+    it stays split over the mesh like B itself; chunks are equal (their count is the
+    smallest divisor of the shard's rows that is large enough).
+    """
+    b, shards = x.shape[0], sharding.batch_shards()
+    per_shard = b // shards if b % shards == 0 else b
+    chunks = -(-per_shard // ATTENTION_CHUNK_SEQS)
+    while per_shard % chunks:
+        chunks += 1
+    if chunks == 1:
+        return fn(x)
+    view = x.reshape(b // per_shard, chunks, per_shard // chunks, *x.shape[1:])
+    outs = [fn(view[:, c].reshape(-1, *x.shape[1:])) for c in range(chunks)]
+    outs = [o.reshape(b // per_shard, per_shard // chunks, *o.shape[1:]) for o in outs]
+    return jnp.stack(outs, axis=1).reshape(b, *outs[0].shape[2:])
+
+
 class Attention(nnx.Module):
     """Causal self-attention with RoPE and no biases; grouped-query when n_kv_heads <
     n_heads (each key / value head serves n_heads / n_kv_heads consecutive query heads,
@@ -141,31 +169,29 @@ class Attention(nnx.Module):
         self.wo = _normal(rngs, (n, d, h), cfg)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-        """x: [B, S, H] compute dtype -> [B, S, H] compute dtype."""
-        q, k, v = self.qkv(x, cos, sin)
-        impl = attention_implementation(self.dtype, q.shape[-1])
-        o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
-        return self.output(o)
+        """x: [B, S, H] compute dtype -> [B, S, H] compute dtype.
 
-    def qkv(
-        self, x: jax.Array, cos: jax.Array, sin: jax.Array
-    ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """x [B, S, H] -> q [B, S, nH, D], k and v [B, S, nKV, D] (q, k rotated by
-        `apply_rope(., cos, sin)`), all in the compute dtype."""
-        proj = lambda w: jnp.einsum("bsh,hnd->bsnd", x, w[...].astype(self.dtype))
-        q = apply_rope(proj(self.wq), cos, sin)
-        return q, apply_rope(proj(self.wk), cos, sin), proj(self.wv)
-
-    def output(self, o: jax.Array) -> jax.Array:
-        """Per-head attention outputs [B, S, nH, D] -> [B, S, H] compute dtype.
-
-        One 2-D product over the flattened (head, D) axis. Generation uses W_o as
-        [H, nH D] instead (`twell_jax.serving`): at one token per call XLA compiles
-        both this layout and the einsum over (head, D) into a slow reduction
-        (docs/performance_notes.md, "Generation")."""
+        q, k, v [B, S, nH or nKV, D] (q and k rotated by `apply_rope(., cos, sin)`),
+        causal attention, then one 2-D product over the flattened (head, D) axis.
+        Generation uses W_o as [H, nH D] instead (`twell_jax.serving`): at one token per
+        call XLA compiles both this layout and the einsum over (head, D) into a slow
+        reduction (docs/performance_notes.md, "Generation"). Runs on chunks of at most
+        ATTENTION_CHUNK_SEQS sequences (`in_sequence_chunks`); the weights are cast
+        outside the chunks, so an FSDP mesh gathers each once.
+        """
+        cast = lambda w: w[...].astype(self.dtype)
+        wq, wk, wv = cast(self.wq), cast(self.wk), cast(self.wv)
         n, d, h = self.wo.shape
-        wo = self.wo[...].astype(self.dtype).reshape(n * d, h)
-        return jnp.dot(o.reshape(*o.shape[:-2], n * d), wo)
+        wo = cast(self.wo).reshape(n * d, h)
+        impl = attention_implementation(self.dtype, d)
+
+        def block(x):
+            proj = lambda w: jnp.einsum("bsh,hnd->bsnd", x, w)
+            q, k = apply_rope(proj(wq), cos, sin), apply_rope(proj(wk), cos, sin)
+            o = jax.nn.dot_product_attention(q, k, proj(wv), is_causal=True, implementation=impl)
+            return jnp.dot(o.reshape(*o.shape[:-2], n * d), wo)
+
+        return in_sequence_chunks(block, x)
 
 
 class FeedForward(nnx.Module):

@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -79,6 +80,13 @@ def _batch_mesh() -> jax.sharding.AbstractMesh | None:
     if mesh.empty or not set(BATCH_AXES) <= set(mesh.axis_names):
         return None
     return mesh
+
+
+def batch_shards() -> int:
+    """How many pieces the batch dimension is split into under the mesh in context (1
+    without a training mesh)."""
+    mesh = _batch_mesh()
+    return 1 if mesh is None else int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
 
 
 def constrain_batch(x: jax.Array) -> jax.Array:

@@ -21,9 +21,15 @@ from jax.experimental import pallas as pl
 from pallas_kernels import _triton, bit_groups
 from pallas_kernels._gather import fit_block
 from pallas_kernels.sparse_train._launch import iota
+from pallas_kernels.sparse_train.dense_rows import after, row_blocks
 from pallas_kernels.sparse_train.format import EllRows, col_dtype
 
 _I32 = jnp.int32
+# Rows per step of the gate GEMM and its compaction in larger calls. The bf16 gate is
+# [rows, N] (11 KiB per row at N = 5632: 5.8 GiB over a micro-batch of 272 x 2048
+# tokens) and the compaction's per-column records [rows / block_m, N]; calls of up to
+# this many rows run whole, as before (docs/performance_notes.md, "Training-step memory").
+GATE_BLOCK_ROWS = 32768
 # The dense gate is read once: stream it past L2.
 _STREAM = "evict_first"
 
@@ -257,6 +263,45 @@ def compact_rows(
         (0,),
     )
     return EllRows(totals, cols, vals, col_counts), most > 0, jnp.all(bad == 0)
+
+
+def gate_to_ell(
+    x: jax.Array,
+    w_gate: jax.Array,
+    *,
+    width: int,
+    launch: CompactLaunch,
+    impl: str = "pallas",
+    interpret: bool | None = None,
+) -> tuple[EllRows, jax.Array, jax.Array]:
+    """U = x Wg^T packed into ELL rows: `compact_rows` of the gate GEMM's output.
+
+    x [M, H] and w_gate [N, H] of one dtype; U comes in x.dtype straight from the GEMM
+    (fp32 accumulation inside), with no separate relu pass (the compaction keeps the
+    entries > 0). Past `GATE_BLOCK_ROWS` rows the GEMM and the compaction run block by
+    block, one block's gate live at a time, and the blocks' outputs are joined: the
+    same result as one call. Returns what `compact_rows` returns.
+    """
+    m = x.shape[0]
+    parts, done = [], None
+    for start, size in row_blocks(m, GATE_BLOCK_ROWS):
+        xb = x if size == m else lax.slice_in_dim(x, start, start + size)
+        if done is not None:
+            xb = after(xb, done)
+        with jax.named_scope("twell_gate_gemm"):
+            u = jnp.einsum("mh,nh->mn", xb, w_gate, preferred_element_type=x.dtype)
+        with jax.named_scope("twell_compact"):
+            part = compact_rows(u, width=width, launch=launch, impl=impl, interpret=interpret)
+        parts.append(part)
+        done = part[0].counts
+    if len(parts) == 1:
+        return parts[0]
+    ells, fired, finite = zip(*parts, strict=True)
+    ell = EllRows(
+        *(jnp.concatenate(field) for field in zip(*(e[:3] for e in ells), strict=True)),
+        sum(e.col_counts for e in ells),
+    )
+    return ell, functools.reduce(jnp.logical_or, fired), functools.reduce(jnp.logical_and, finite)
 
 
 def compact_rows_ref(p: jax.Array, width: int) -> tuple[EllRows, jax.Array, jax.Array]:

@@ -26,9 +26,16 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.sparse_train.dense_rows import after, row_blocks
 from pallas_kernels.sparse_train.format import slot_mask
 
 _F32 = jnp.float32
+# Rows per step of the dense block. The block is [rows, K, 3] plus its [rows, 2K] slice
+# for the GEMM (10 KiB per row at K = 1024); over a whole micro-batch of 272 x 2048
+# tokens that is 5.3 GiB, the top of the training step's memory plan once the
+# attention's workspace is bounded (docs/performance_notes.md, "Training-step memory").
+# Calls of up to this many rows run as one block, as before.
+BLOCK_ROWS = 32768
 
 
 class HotPlan(NamedTuple):
@@ -118,23 +125,41 @@ def hot_weight_grads(
     """
     if k == 0:
         return dws
+    m = cols.shape[0]
+    rows_x = rows_g = None
+    for start, size in row_blocks(m, BLOCK_ROWS):
+        part = (ell_count, cols, dr_vals, du_vals, t_vals, x, g_out)
+        if size < m:
+            part = tuple(lax.slice_in_dim(a, start, start + size) for a in part)
+        if rows_x is not None:  # one block's [rows, K, 3] live at a time
+            part = after(part, (rows_x, rows_g))
+        block_x, block_g = _block_products(k, plan.index, *part)
+        rows_x = block_x if rows_x is None else rows_x + block_x
+        rows_g = block_g if rows_g is None else rows_g + block_g
+    rows_x = rows_x.reshape(k, 2, -1)
+    ids = plan.ids[:k]
+    out = []
+    for rows_kh, dw in zip((rows_x[:, 0], rows_x[:, 1], rows_g), dws, strict=True):
+        out.append(dw.at[ids].set(rows_kh.astype(dw.dtype), mode="drop"))
+    return tuple(out)
+
+
+def _block_products(k, index, ell_count, cols, dr_vals, du_vals, t_vals, x, g_out):
+    """One row block's fp32 products: ([2K, H] dR^T x and dU^T x interleaved as row
+    2i + c, [K, H] T^T gO), the block's entries scattered into dense [rows, K, 3]."""
     m, width = cols.shape
-    col = jnp.where(slot_mask(ell_count, width), plan.index[cols], k)
+    col = jnp.where(slot_mask(ell_count, width), index[cols], k)
     rows = jnp.arange(m, dtype=jnp.int32)[:, None]
     # One scatter of the three values side by side (a neuron appears at most once per
     # row, so set is exact): the scatter's index work, not the GEMMs, dominates.
     dtype = jnp.result_type(dr_vals, du_vals, t_vals)
     vals = jnp.stack([v.astype(dtype) for v in (dr_vals, du_vals, t_vals)], axis=-1)
     block = jnp.zeros((m, k, 3), dtype).at[rows, col].set(vals, mode="drop")  # [M, k, 3]
-    ids = plan.ids[:k]
     # dR and dU against x as one GEMM of 2k rows (interleaved: row 2i + c).
     dr_du = block[..., :2].reshape(m, 2 * k)
-    rows_x = jnp.einsum("mj,mh->jh", dr_du, x, preferred_element_type=_F32).reshape(k, 2, -1)
+    rows_x = jnp.einsum("mj,mh->jh", dr_du, x, preferred_element_type=_F32)
     rows_g = jnp.einsum("mk,mh->kh", block[..., 2], g_out, preferred_element_type=_F32)
-    out = []
-    for rows_kh, dw in zip((rows_x[:, 0], rows_x[:, 1], rows_g), dws, strict=True):
-        out.append(dw.at[ids].set(rows_kh.astype(dw.dtype), mode="drop"))
-    return tuple(out)
+    return rows_x, rows_g
 
 
 def switch_hot_grads(plan: HotPlan, capacities: tuple[int, ...], *args) -> tuple:

@@ -141,14 +141,10 @@ def _kernel_kwargs(static: _Static, launch) -> dict:
 def _forward(static: _Static, x, wg, wu, wd):
     cfg = static.config
     m, width, caps = x.shape[0], cfg.ell_width, cfg.tail_capacities
-    with jax.named_scope("twell_gate_gemm"):
-        # U in x.dtype straight from the GEMM (fp32 accumulation inside): compaction
-        # keeps the entries > 0, so no separate relu pass over [M, N].
-        u = jnp.einsum("mh,nh->mn", x, wg, preferred_element_type=x.dtype)
+    ell, fired, gate_finite = compaction.gate_to_ell(
+        x, wg, width=width, launch=cfg.compact, impl=cfg.impl, interpret=static.interpret
+    )
     with jax.named_scope("twell_compact"):
-        ell, fired, gate_finite = compaction.compact_rows(
-            u, width=width, launch=cfg.compact, impl=cfg.impl, interpret=static.interpret
-        )
         plan = fmt.plan_tail(ell.counts, width, caps)
         ell_count = fmt.ell_counts(ell.counts, width)
     # Non-finite inputs run the dense formula, which propagates NaN/Inf exactly as the

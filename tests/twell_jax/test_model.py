@@ -91,6 +91,36 @@ def test_attention_uses_xla_on_cpu():
     assert M.attention_implementation(jnp.bfloat16, 64) == "xla"
 
 
+@pytest.mark.parametrize(
+    "batch, chunk_seqs, sizes", [(6, 2, [2, 2, 2]), (5, 2, [1] * 5), (4, 32, [4])]
+)
+def test_attention_runs_in_sequence_chunks(monkeypatch, batch, chunk_seqs, sizes):
+    """Past ATTENTION_CHUNK_SEQS sequences the attention block runs on equal chunks of
+    the batch (cuDNN's backward keeps an fp32 dQ accumulator over its whole batch): the
+    same logits and gradients, fp32."""
+    cfg = small_model(dtype="float32")
+    params, t = init_params(cfg), tokens(cfg, batch=batch)
+    graphdef = train.model_graphdef(cfg)
+
+    def loss(p):
+        logits, _ = nnx.merge(graphdef, p)(t)
+        return jnp.mean(logits**2), logits
+
+    (_, want_logits), want_grads = jax.value_and_grad(loss, has_aux=True)(params)
+    seen, attend = [], jax.nn.dot_product_attention
+    monkeypatch.setattr(
+        jax.nn,
+        "dot_product_attention",
+        lambda q, *a, **k: (seen.append(q.shape[0]), attend(q, *a, **k))[1],
+    )
+    monkeypatch.setattr(M, "ATTENTION_CHUNK_SEQS", chunk_seqs)
+    (_, logits), grads = jax.value_and_grad(loss, has_aux=True)(params)
+    assert seen == sizes  # one trace of the scanned layer
+    np.testing.assert_allclose(logits, want_logits, rtol=1e-5, atol=1e-6)
+    for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-7)
+
+
 @pytest.mark.parametrize("variant", ["gated_relu", "relu"])
 def test_twell_matches_dense(variant):
     dense = small_model(ffn_variant=variant)

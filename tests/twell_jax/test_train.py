@@ -142,6 +142,34 @@ _SHARDED = textwrap.dedent("""
         "w_up_spec": str(params["blocks"]["ffn"]["w_up"].sharding.spec),
     }
 
+    # The attention block in chunks of sequences per batch shard (16 sequences, 2 per
+    # shard, chunks of 1): the same loss and gradients, and no collective more (a chunk
+    # that mixed shards would move activations; weights cast inside a chunk would be
+    # gathered once per chunk).
+    def attention_run(p):
+        def loss(p):
+            logits, _ = nnx.merge(train.model_graphdef(cfg.model), p)(batch["inputs"])
+            return jnp.mean(logits**2)
+
+        step = jax.jit(jax.value_and_grad(loss))
+        text = step.lower(p).compile().as_text()
+        collectives = sum(text.count(op + "(") + text.count(op + "-start(") for op in (
+            "all-gather", "all-to-all", "collective-permute", "all-reduce", "reduce-scatter"))
+        value, grads = step(p)
+        return float(value), [np.asarray(g) for g in jax.tree.leaves(grads)], collectives
+
+    with jax.set_mesh(mesh8):
+        whole = attention_run(params)
+        M.ATTENTION_CHUNK_SEQS = 1
+        chunked = attention_run(params)
+        M.ATTENTION_CHUNK_SEQS = 32
+    result.update({
+        "chunked_loss": [whole[0], chunked[0]],
+        "chunked_grad_max_diff": max(
+            float(np.max(np.abs(a - b))) for a, b in zip(whole[1], chunked[1])),
+        "chunked_collectives": [whole[2], chunked[2]],
+    })
+
     # Kernel FFNs run per batch shard: a dense stand-in for the sparse op must give the
     # dense model's outputs and statistics, with counters summed over the 8 shards.
     def stand_in(x, w_gate, w_up, w_down, *, config):
@@ -195,8 +223,9 @@ _SHARDED = textwrap.dedent("""
 @pytest.mark.slow
 def test_sharded_step_matches_single_device(tmp_path):
     """On 8 simulated CPUs, mesh (data=2, fsdp=4): the train step equals the 1-device
-    step, the per-shard kernel FFN path equals the dense one, and the sparse training op
-    itself runs per shard, forward and backward, as on one device."""
+    step, the attention block in chunks of sequences equals it whole, the per-shard
+    kernel FFN path equals the dense one, and the sparse training op itself runs per
+    shard, forward and backward, as on one device."""
     env = dict(
         os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu"
     )
@@ -238,6 +267,11 @@ def test_sharded_step_matches_single_device(tmp_path):
     assert out["real_loss"][1] == pytest.approx(out["real_loss"][0], rel=1e-5)
     np.testing.assert_allclose(out["real_l0"][1], out["real_l0"][0], rtol=1e-6)
     assert out["real_fired_equal"] and out["real_grad_rel_diff"] < 0.03
+    # The attention block in chunks of one sequence per shard (fp32).
+    assert out["chunked_loss"][1] == pytest.approx(out["chunked_loss"][0], rel=1e-6)
+    assert out["chunked_grad_max_diff"] < 1e-6
+    whole, chunked = out["chunked_collectives"]
+    assert chunked == whole > 0
     assert out["kernel_tail_rows"] == [8, 8]
 
 

@@ -11,6 +11,7 @@ from pallas_kernels.sparse_train.config import SparseTrainConfig
 from tests.lowering import count_triton_calls
 from tests.pallas_kernels.sparse_train.cases import (
     MODES,
+    PH,
     PM,
     PN,
     PW,
@@ -110,6 +111,37 @@ def test_compact_rows_flags_nonfinite_gates(interpret, dtype, bad, positive):
     assert not bool(finite)
     assert not bool(compaction.compact_rows_ref(u_bad, 16)[2])
     np.testing.assert_array_equal(ell.counts, clean.counts.at[37].add(int(positive)))
+
+
+@pytest.mark.parametrize("interpret", MODES)
+@pytest.mark.parametrize("nan_row", [None, 35], ids=["finite", "nan_in_last_block"])
+def test_gate_to_ell_in_row_blocks_matches_one_call(monkeypatch, interpret, nan_row):
+    """Past GATE_BLOCK_ROWS rows the gate GEMM and its compaction run block by block
+    (16 rows here: blocks of 16, 16 and 8 over M = 40, heavy and empty rows in
+    different blocks): the same ELL rows, column counts, fired neurons and finite flag
+    as the compaction of the whole gate."""
+    x, wg, *_ = make_inputs(0, M, H, N, 8, heavy=(3, 30), zero=(0, 20, 39))
+    if nan_row is not None:
+        x = x.at[nan_row, 5].set(jnp.nan)
+    launch = _LAUNCHES["ahead_3_of_2_tiles"]
+    u = jnp.einsum("mh,nh->mn", x, wg, preferred_element_type=x.dtype)
+    want = compaction.compact_rows(u, width=16, launch=launch, interpret=interpret)
+    monkeypatch.setattr(compaction, "GATE_BLOCK_ROWS", 16)
+    got = compaction.gate_to_ell(x, wg, width=16, launch=launch, interpret=interpret)
+    for name, a, b in zip(("counts", "cols", "vals", "col_counts"), got[0], want[0], strict=True):
+        np.testing.assert_array_equal(f32(a), f32(b), err_msg=name)
+    np.testing.assert_array_equal(got[1], want[1])
+    assert bool(got[2]) == bool(want[2]) == (nan_row is None)
+    assert int(got[0].counts[30]) > 16 and int(got[0].counts[20]) == 0
+
+
+def test_gate_to_ell_in_row_blocks_lowers_for_cuda(monkeypatch, verified_modules):
+    """Production shapes in 4 blocks of 4096 rows: one compaction kernel per block."""
+    monkeypatch.setattr(compaction, "GATE_BLOCK_ROWS", 4096)
+    launch = SparseTrainConfig().compact
+    fn = lambda x, w: compaction.gate_to_ell(x, w, width=PW, launch=launch, interpret=False)
+    assert count_triton_calls(fn, zeros((PM, PH)), zeros((PN, PH))) == 4
+    assert len(verified_modules) == 4
 
 
 def test_compact_rows_lowers_for_cuda(verified_modules):

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels.sparse_train import SparseTrainConfig, hot
-from tests.pallas_kernels.sparse_train.cases import MODES, SMALL, H, M, N, make_inputs
-from tests.pallas_kernels.sparse_train.test_op import _check_against_reference
+from tests.pallas_kernels.sparse_train.cases import MODES, SMALL, H, M, N, make_inputs, rel_err
+from tests.pallas_kernels.sparse_train.test_op import _check_against_reference, _grads, _sparse_loss
 
 # Neurons with >= 6 of the 40 tokens are hot; blocks of 2 or 4 neurons.
 HOT = dict(SMALL, hot_min_count=6, hot_capacities=(0, 2, 4))
@@ -102,3 +102,19 @@ def test_hot_block_changes_nothing_but_the_schedule():
     off_cfg = dataclasses.replace(SparseTrainConfig(**HOT), hot_min_count=M + 1)
     off = _check_against_reference(inputs, off_cfg, True)
     assert int(on["hot_neurons"]) == 2 and int(off["hot_neurons"]) == 0
+
+
+@pytest.mark.parametrize("case", ["always_on", "many_hot"])
+def test_hot_block_in_row_blocks(monkeypatch, case):
+    """Past hot.BLOCK_ROWS rows the dense block is built and multiplied block by block
+    (16 rows here: 16, 16 and 8 over M = 40) and the blocks' fp32 products summed: the
+    gradients of the whole block, to that summation order, and still the reference's."""
+    inputs = _inputs(case)
+    cfg = SparseTrainConfig(**HOT)
+    (_, (_, whole_stats)), whole = _grads(_sparse_loss, *inputs, cfg=cfg, interpret=True)
+    monkeypatch.setattr(hot, "BLOCK_ROWS", 16)
+    (_, (_, stats)), blocked = _grads(_sparse_loss, *inputs, cfg=cfg, interpret=True)
+    assert int(stats["hot_neurons"]) == int(whole_stats["hot_neurons"]) >= 2
+    for name, a, b in zip(("dx", "dWg", "dWu", "dWd"), blocked, whole, strict=True):
+        assert rel_err(a, b) < 1e-3, name
+    _check_against_reference(inputs, cfg, True)
