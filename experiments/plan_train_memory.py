@@ -1,0 +1,218 @@
+r"""XLA's memory plan of the real training step for a GPU that this machine does not have.
+
+    pip install 'jax[cuda12]==0.11.2'    # the CUDA plugin only: no GPU is used
+    python -m experiments.plan_train_memory --preset=2b --seq=2048 \
+        --ffn_impls=dense,sparse --batches=8,272 --top=12 \
+        --out=results/train_step_memory_2b_h200/train_step_plan_2b_h200.json
+
+The step is `experiments.benchmark_memory`'s (`twell_jax.train.make_train_step` of
+--preset with the sparse layers on, --set overrides), built on an abstract state, so
+nothing is allocated, and compiled for the GPU that --target_config describes (a
+`GpuTargetConfigProto` in text form; `experiments/configs/h200.gpu_target.txtpb` is
+the H200's) on the CUDA plugin's compile-only devices. Each (impl, batch) records
+XLA's `memory_analysis` (arguments, outputs, temporaries: what the compiler planned)
+and, with --top, the buffers at the top of the temporaries' plan (name, shape, size,
+offset): those that set the peak.
+
+What such a plan leaves out, so read it as a comparison of variants of a step, not as
+the card's limit:
+- cuDNN's workspaces are planned as 0 bytes (cuDNN sizes them on a device); the
+  attention backward's is an fp32 dQ accumulator of its batch, 16 MiB per 2048-token
+  sequence at 32 heads of 64;
+- no autotuning (GEMM and fusion choices may differ) and a fallback sort instead of
+  CUB's.
+On the H200 the measured plans of the same steps were 0.3 GiB (batch 8) to 11 GiB
+(dense, batch 224) above these (docs/performance_notes.md, "Training-step memory").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import importlib.util
+import json
+import os
+import pathlib
+import platform
+import re
+import sys
+import tempfile
+import time
+
+from absl import app, flags, logging
+
+from experiments import entry_points
+
+FLAGS = flags.FLAGS
+IMPLS = ("dense", "sparse")
+EXIT_REFUSED = 2
+TARGET = pathlib.Path(__file__).resolve().parent / "configs" / "h200.gpu_target.txtpb"
+# A temporaries' buffer line of XLA's buffer-assignment dump.
+_VALUE = re.compile(r"value: <\d+ (\S+) @0> \(size=(\d+),offset=(\d+)\): (\S+)")
+
+
+def define_flags() -> None:
+    """The CLI's flags (registered only when the module runs as a program)."""
+    flags.DEFINE_string("preset", "2b", "`twell_jax.config.model_preset` name.")
+    flags.DEFINE_integer("seq", 2048, "Tokens per sequence.")
+    flags.DEFINE_list("ffn_impls", list(IMPLS), "ModelConfig.ffn_impl values to plan.")
+    flags.DEFINE_list("batches", ["8"], "Micro-batches (sequences) to plan.")
+    flags.DEFINE_float("l1_coef", 2e-5, "Lambda of the L1 activation term.")
+    flags.DEFINE_list("set", [], "key=value ModelConfig overrides, e.g. sparse_ell_width=64.")
+    flags.DEFINE_string("target_config", str(TARGET), "GpuTargetConfigProto text file.")
+    flags.DEFINE_integer("top", 0, "Buffers at the top of each plan to record.")
+    flags.DEFINE_string("out", "", "JSON output path (default: print only).")
+
+
+def cuda_plugin() -> str | None:
+    """The installed jax CUDA plugin's module name, or None."""
+    for name in ("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13"):
+        with contextlib.suppress(ModuleNotFoundError):
+            if importlib.util.find_spec(name) is not None:
+                return name
+    return None
+
+
+def top_buffers(buffer_assignment: str, n: int, min_bytes: int = 0) -> list[dict]:
+    """The n buffers of at least min_bytes among the preallocated temporaries that reach
+    highest in the plan (offset + size; the larger first where they tie), from the text
+    of XLA's `*buffer-assignment.txt` dump."""
+    lines = buffer_assignment.splitlines()
+    start = next(i for i, line in enumerate(lines) if "preallocated-temp" in line)
+    found = []
+    for line in lines[start + 1 :]:
+        if line.startswith("allocation"):
+            break
+        match = _VALUE.search(line)
+        if match and not match.group(4).startswith("("):  # tuples: pointer tables
+            name, size, offset, shape = match.groups()
+            if int(size) >= min_bytes:
+                found.append(
+                    {"name": name, "shape": shape, "bytes": int(size), "offset": int(offset)}
+                )
+    found.sort(key=lambda b: (b["offset"] + b["bytes"], b["bytes"]), reverse=True)
+    return found[:n]
+
+
+@contextlib.contextmanager
+def _gpu_code_paths():
+    """The model and the kernels choose cuDNN attention and the Triton kernels from the
+    default backend, which is the CPU here while the step compiles for the GPU."""
+    import jax
+
+    default_backend = jax.default_backend
+    jax.default_backend = lambda: "gpu"
+    try:
+        yield
+    finally:
+        jax.default_backend = default_backend
+
+
+def plan(impl: str, batch: int, target_config: str, dump_dir: str, top: int) -> dict:
+    """Compiles the step of `impl` at `batch` x --seq for the target; its record."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import topologies
+
+    from experiments import benchmark_train_model as btm
+    from twell_jax import sharding, train
+
+    topology = topologies.get_topology_desc(
+        "plan", "cuda", target_config=target_config, topology="1x1x1"
+    )
+    mesh = sharding.make_mesh(1, 1, devices=list(topology.devices))
+    overrides = dict(kv.split("=", 1) for kv in FLAGS.set)
+    cfg = btm._train_config(FLAGS.preset, impl, batch, FLAGS.seq, FLAGS.l1_coef, overrides)
+    state = train.abstract_train_state(cfg, mesh)
+    tokens = jax.ShapeDtypeStruct(
+        (batch, FLAGS.seq), jnp.int32, sharding=sharding.batch_sharding(mesh)
+    )
+    started = time.perf_counter()
+    with _gpu_code_paths():
+        lowered = train.make_train_step(cfg, mesh).lower(
+            state, {"inputs": tokens, "targets": tokens}
+        )
+        memory = lowered.compile().memory_analysis()
+    record = {
+        "impl": impl,
+        "batch": batch,
+        "seq": FLAGS.seq,
+        "tokens": batch * FLAGS.seq,
+        "temp_bytes": int(memory.temp_size_in_bytes),
+        "argument_bytes": int(memory.argument_size_in_bytes),
+        "output_bytes": int(memory.output_size_in_bytes),
+        "alias_bytes": int(memory.alias_size_in_bytes),
+        "compile_s": round(time.perf_counter() - started, 1),
+    }
+    dumps = sorted(glob.glob(os.path.join(dump_dir, "*step_fn*buffer-assignment.txt")))
+    if top and dumps:
+        # Buffers of a thousandth of the plan or more: scalars stack up at its very top.
+        text = pathlib.Path(dumps[-1]).read_text()
+        record["top_buffers"] = top_buffers(text, top, record["temp_bytes"] // 1000)
+    for path in glob.glob(os.path.join(dump_dir, "*")):
+        os.remove(path)
+    return record
+
+
+def _refusal(impls, batches, target: pathlib.Path) -> str | None:
+    if not impls or not set(impls) <= set(IMPLS):
+        return f"--ffn_impls must be some of {IMPLS}, got {impls}"
+    if not batches or not all(b.isdigit() and int(b) > 0 for b in batches):
+        return f"--batches must be positive integers, got {batches}"
+    if not target.is_file():
+        return f"--target_config={target}: no such file"
+    if cuda_plugin() is None:
+        return "the jax CUDA plugin is not installed: pip install 'jax[cuda12]==0.11.2'"
+    try:
+        entry_points.check_output_file("out", FLAGS.out)
+    except (OSError, ValueError) as e:
+        return str(e)
+    return None
+
+
+def main(argv) -> int:
+    if not entry_points.start_cli(argv):
+        return EXIT_REFUSED
+    target = pathlib.Path(FLAGS.target_config)
+    reason = _refusal(FLAGS.ffn_impls, FLAGS.batches, target)
+    if reason:
+        logging.error("refused: %s", reason)
+        return EXIT_REFUSED
+    dump_dir = tempfile.mkdtemp(prefix="plan_train_memory_")
+    # Before JAX starts: the plugin checks its CUDA libraries against a GPU it would
+    # not find, and autotuning needs a device.
+    os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
+    xla_flags = ["--xla_gpu_autotune_level=0"]
+    if FLAGS.top:
+        xla_flags += [f"--xla_dump_to={dump_dir}", "--xla_dump_hlo_module_re=.*step_fn.*"]
+    os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *xla_flags]).strip()
+    import jax
+
+    text = target.read_text()
+    result = {
+        "command": " ".join(["python -m experiments.plan_train_memory", *sys.argv[1:]]),
+        "host": platform.node(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "jax": jax.__version__,
+        "target": (re.findall(r'device_description_str: "([^"]*)"', text) or [None])[0],
+        "preset": FLAGS.preset,
+        "l1_coef": FLAGS.l1_coef,
+        "model_overrides": dict(kv.split("=", 1) for kv in FLAGS.set),
+        "plans": [],
+    }
+    for impl in FLAGS.ffn_impls:
+        for batch in map(int, FLAGS.batches):
+            record = plan(impl, batch, text, dump_dir, FLAGS.top)
+            result["plans"].append(record)
+            gib = {k: round(record[k] / 2**30, 3) for k in ("temp_bytes", "argument_bytes")}
+            print(json.dumps({"impl": impl, "batch": batch, **gib}), flush=True)
+    os.rmdir(dump_dir)
+    if FLAGS.out:
+        with open(FLAGS.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    define_flags()
+    app.run(main)
