@@ -12,7 +12,12 @@ nothing is allocated, and compiled for the GPU that --target_config describes (a
 the H200's) on the CUDA plugin's compile-only devices. Each (impl, batch) records
 XLA's `memory_analysis` (arguments, outputs, temporaries: what the compiler planned)
 and, with --top, the buffers at the top of the temporaries' plan (name, shape, size,
-offset): those that set the peak.
+offset): those that set the peak. With --devices=N the step is partitioned over N
+GPUs of one host (the --mesh_data x --mesh_fsdp mesh; full FSDP by default), the
+Pallas kernels per batch shard as in training, and each record is one device's plan,
+with the step's collectives counted.
+
+    python -m experiments.plan_train_memory --preset=2b --devices=8 --batches=64,256
 
 What such a plan leaves out, so read it as a comparison of variants of a step, not as
 the card's limit:
@@ -31,6 +36,7 @@ import contextlib
 import glob
 import importlib.util
 import json
+import math
 import os
 import pathlib
 import platform
@@ -47,6 +53,7 @@ FLAGS = flags.FLAGS
 IMPLS = ("dense", "sparse")
 EXIT_REFUSED = 2
 TARGET = pathlib.Path(__file__).resolve().parent / "configs" / "h200.gpu_target.txtpb"
+_COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 # A temporaries' buffer line of XLA's buffer-assignment dump.
 _VALUE = re.compile(r"value: <\d+ (\S+) @0> \(size=(\d+),offset=(\d+)\): (\S+)")
 
@@ -60,6 +67,9 @@ def define_flags() -> None:
     flags.DEFINE_float("l1_coef", 2e-5, "Lambda of the L1 activation term.")
     flags.DEFINE_list("set", [], "key=value ModelConfig overrides, e.g. sparse_ell_width=64.")
     flags.DEFINE_string("target_config", str(TARGET), "GpuTargetConfigProto text file.")
+    flags.DEFINE_integer("devices", 1, "GPUs of the target (one host); --batches are global.")
+    flags.DEFINE_integer("mesh_data", 1, "Data-parallel mesh axis (-1: the remaining GPUs).")
+    flags.DEFINE_integer("mesh_fsdp", -1, "FSDP mesh axis (-1: the remaining GPUs).")
     flags.DEFINE_integer("top", 0, "Buffers at the top of each plan to record.")
     flags.DEFINE_string("out", "", "JSON output path (default: print only).")
 
@@ -118,9 +128,9 @@ def plan(impl: str, batch: int, target_config: str, dump_dir: str, top: int) -> 
     from twell_jax import sharding, train
 
     topology = topologies.get_topology_desc(
-        "plan", "cuda", target_config=target_config, topology="1x1x1"
+        "plan", "cuda", target_config=target_config, topology=f"1x1x{FLAGS.devices}"
     )
-    mesh = sharding.make_mesh(1, 1, devices=list(topology.devices))
+    mesh = sharding.make_mesh(FLAGS.mesh_data, FLAGS.mesh_fsdp, devices=list(topology.devices))
     overrides = dict(kv.split("=", 1) for kv in FLAGS.set)
     cfg = btm._train_config(FLAGS.preset, impl, batch, FLAGS.seq, FLAGS.l1_coef, overrides)
     state = train.abstract_train_state(cfg, mesh)
@@ -132,7 +142,8 @@ def plan(impl: str, batch: int, target_config: str, dump_dir: str, top: int) -> 
         lowered = train.make_train_step(cfg, mesh).lower(
             state, {"inputs": tokens, "targets": tokens}
         )
-        memory = lowered.compile().memory_analysis()
+        compiled = lowered.compile()
+    memory, text = compiled.memory_analysis(), compiled.as_text()
     record = {
         "impl": impl,
         "batch": batch,
@@ -143,6 +154,10 @@ def plan(impl: str, batch: int, target_config: str, dump_dir: str, top: int) -> 
         "output_bytes": int(memory.output_size_in_bytes),
         "alias_bytes": int(memory.alias_size_in_bytes),
         "compile_s": round(time.perf_counter() - started, 1),
+        # Per device; the partitioned step's collectives (an async one counted once).
+        "collectives": {
+            op: text.count(f" {op}(") + text.count(f" {op}-start(") for op in _COLLECTIVES
+        },
     }
     dumps = sorted(glob.glob(os.path.join(dump_dir, "*step_fn*buffer-assignment.txt")))
     if top and dumps:
@@ -159,6 +174,14 @@ def _refusal(impls, batches, target: pathlib.Path) -> str | None:
         return f"--ffn_impls must be some of {IMPLS}, got {impls}"
     if not batches or not all(b.isdigit() and int(b) > 0 for b in batches):
         return f"--batches must be positive integers, got {batches}"
+    data, fsdp, devices = FLAGS.mesh_data, FLAGS.mesh_fsdp, FLAGS.devices
+    axes = [size for size in (data, fsdp) if size != -1]
+    if devices < 1 or not axes or min(axes) < 1 or devices % math.prod(axes):
+        return f"mesh (data={data}, fsdp={fsdp}) does not fit --devices={devices}"
+    if len(axes) == 2 and data * fsdp != devices:
+        return f"mesh (data={data}, fsdp={fsdp}) does not fit --devices={devices}"
+    if any(int(b) % devices for b in batches):
+        return f"--batches must be multiples of --devices={devices} (the batch is split over all)"
     if not target.is_file():
         return f"--target_config={target}: no such file"
     if cuda_plugin() is None:
@@ -196,6 +219,8 @@ def main(argv) -> int:
         "jax": jax.__version__,
         "target": (re.findall(r'device_description_str: "([^"]*)"', text) or [None])[0],
         "preset": FLAGS.preset,
+        "devices": FLAGS.devices,
+        "mesh": {"data": FLAGS.mesh_data, "fsdp": FLAGS.mesh_fsdp},
         "l1_coef": FLAGS.l1_coef,
         "model_overrides": dict(kv.split("=", 1) for kv in FLAGS.set),
         "plans": [],

@@ -67,7 +67,9 @@ class ModelConfig:
         residuals for the backward (True) or recompute them with the rest of the layer
         (False, as the dense FFN recomputes its activations): 6 W bytes per token per
         layer less at the peak, at the cost of running the layer's sparse forward
-        again in the backward. The gradients are the same either way.
+        again in the backward. The gradients are the same either way. With the
+        batch split over several devices they are always recomputed (the model's
+        remat policy: kept ones were all-gathered onto every GPU).
       dtype: compute dtype name.
       param_dtype: master parameter dtype name.
       remat: rematerialise every layer in the backward pass.

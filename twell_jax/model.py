@@ -262,9 +262,16 @@ class Block(nnx.Module):
 
 def _remat_policy(cfg: ModelConfig) -> Callable | None:
     """Remat policy of a layer: keep the sparse op's small ELL residuals (docs/design.md
-    §6.4) rather than recompute them, unless `sparse_save_residuals` is off; recompute
-    everything on the other paths."""
+    §6.4) rather than recompute them, unless `sparse_save_residuals` is off or the
+    batch is split over several devices; recompute everything on the other paths.
+
+    Split over devices, the residuals leave the op's `shard_map` split too, but XLA's GPU
+    partitioner all-gathered them into the layer loop's stack: every device kept every
+    token's residuals (8 x the memory on 8 GPUs) and paid an all-gather per layer
+    (docs/performance_notes.md, "Training-step memory"). Recomputed, nothing crosses."""
     if cfg.ffn_impl != "sparse" or not cfg.sparse_save_residuals:
+        return None
+    if sharding.batch_shards() > 1:
         return None
     return jax.checkpoint_policies.save_only_these_names(pallas_kernels.RESIDUALS_NAME)
 

@@ -39,6 +39,9 @@ def test_top_buffers_reads_the_temporaries_plan():
         (["--target_config=/nonexistent.txtpb"], "no such file"),
         (["--out=/nonexistent/plan.json"], "--out=/nonexistent/plan.json"),
         (["stray"], "unexpected arguments"),
+        (["--devices=8", "--mesh_data=3"], "does not fit --devices=8"),
+        (["--devices=4", "--mesh_data=2", "--mesh_fsdp=4"], "does not fit --devices=4"),
+        (["--devices=4", "--batches=6"], "multiples of --devices=4"),
     ],
 )
 def test_cli_refuses_in_one_line(args, says):
@@ -67,3 +70,27 @@ def test_cli_plans_both_steps_without_a_gpu(tmp_path):
         assert p["tokens"] == batch * 256 and len(p["top_buffers"]) == 3
         assert p["temp_bytes"] > 0 and p["argument_bytes"] > 0
     assert plans[("dense", 4)]["temp_bytes"] > plans[("dense", 2)]["temp_bytes"]
+    assert sum(plans[("sparse", 2)]["collectives"].values()) == 0  # one device
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(ptm.cuda_plugin() is None, reason="needs the jax CUDA plugin (no GPU)")
+def test_cli_plans_the_step_partitioned_over_two_gpus(tmp_path):
+    """Full FSDP over 2 GPUs, remat on: half the state per device, the gradients
+    reduce-scattered, and the sparse step gathers no more than the dense one (its ELL
+    residuals, had the remat policy kept them, were all-gathered in every layer)."""
+    out = tmp_path / "plan.json"
+    args = ["--preset=tiny", "--seq=256", "--batches=4", "--set=remat=true", f"--out={out}"]
+    one = run_module("plan_train_memory", *args, timeout=600)
+    assert one.returncode == 0, one.stderr[-3000:]
+    single = {p["impl"]: p for p in json.loads(out.read_text())["plans"]}
+    two = run_module("plan_train_memory", *args, "--devices=2", timeout=600)
+    assert two.returncode == 0, two.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["devices"] == 2 and res["mesh"] == {"data": 1, "fsdp": -1}
+    split = {p["impl"]: p for p in res["plans"]}
+    for impl in ("dense", "sparse"):
+        assert split[impl]["argument_bytes"] < 0.6 * single[impl]["argument_bytes"]
+        assert split[impl]["collectives"]["reduce-scatter"] > 0
+    gathers = {impl: split[impl]["collectives"]["all-gather"] for impl in split}
+    assert gathers["sparse"] == gathers["dense"] > 0

@@ -158,6 +158,13 @@ _SHARDED = textwrap.dedent("""
         value, grads = step(p)
         return float(value), [np.asarray(g) for g in jax.tree.leaves(grads)], collectives
 
+    # Split over devices the sparse FFN's residuals are recomputed, not kept (XLA's GPU
+    # partitioner gathered kept ones onto every device).
+    remat = dataclasses.replace(cfg.model, ffn_impl="sparse", dtype="bfloat16", remat=True)
+    with jax.set_mesh(mesh8):
+        result["policy_split"] = M._remat_policy(remat) is None
+    result["policy_one_device"] = M._remat_policy(remat) is not None
+
     with jax.set_mesh(mesh8):
         whole = attention_run(params)
         M.ATTENTION_CHUNK_SEQS = 1
@@ -267,6 +274,7 @@ def test_sharded_step_matches_single_device(tmp_path):
     assert out["real_loss"][1] == pytest.approx(out["real_loss"][0], rel=1e-5)
     np.testing.assert_allclose(out["real_l0"][1], out["real_l0"][0], rtol=1e-6)
     assert out["real_fired_equal"] and out["real_grad_rel_diff"] < 0.03
+    assert out["policy_split"] and out["policy_one_device"]
     # The attention block in chunks of one sequence per shard (fp32).
     assert out["chunked_loss"][1] == pytest.approx(out["chunked_loss"][0], rel=1e-6)
     assert out["chunked_grad_max_diff"] < 1e-6
