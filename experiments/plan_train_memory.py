@@ -1,21 +1,21 @@
 r"""XLA's memory plan of the real training step for a GPU that this machine does not have.
 
-    pip install 'jax[cuda12]==0.11.2'    # the CUDA plugin only: no GPU is used
+    pip install 'jax[cuda12]==0.11.2'    # the CUDA plugin and wheels; no GPU is used
     python -m experiments.plan_train_memory --preset=2b --seq=2048 \
         --ffn_impls=dense,sparse --batches=8,272 --top=12 \
-        --out=results/train_step_memory_2b_h200/train_step_plan_2b_h200.json
+        --out=results/train_step_memory_2b_h200/plans/train_step_plan_2b_h200.json
 
 The step is `experiments.benchmark_memory`'s (`twell_jax.train.make_train_step` of
 --preset with the sparse layers on, --set overrides), built on an abstract state, so
 nothing is allocated, and compiled for the GPU that --target_config describes (a
 `GpuTargetConfigProto` in text form; `experiments/configs/h200.gpu_target.txtpb` is
-the H200's) on the CUDA plugin's compile-only devices. Each (impl, batch) records
-XLA's `memory_analysis` (arguments, outputs, temporaries: what the compiler planned)
-and, with --top, the buffers at the top of the temporaries' plan (name, shape, size,
-offset): those that set the peak. With --devices=N the step is partitioned over N
-GPUs of one host (the --mesh_data x --mesh_fsdp mesh; full FSDP by default), the
-Pallas kernels per batch shard as in training, and each record is one device's plan,
-with the step's collectives counted.
+the H200's) on the CUDA plugin's compile-only devices (`experiments.compile_only`).
+Each (impl, batch) records XLA's `memory_analysis` (arguments, outputs, temporaries:
+what the compiler planned) and, with --top, the buffers at the top of the
+temporaries' plan (name, shape, size, offset): those that set the peak. With
+--devices=N the step is partitioned over N GPUs of one host (the --mesh_data x
+--mesh_fsdp mesh; full FSDP by default), the Pallas kernels per batch shard as in
+training, and each record is one device's plan, with the step's collectives counted.
 
     python -m experiments.plan_train_memory --preset=2b --devices=8 --batches=64,256
 
@@ -32,27 +32,25 @@ On the H200 the measured plans of the same steps were 0.3 GiB (batch 8) to 11 Gi
 
 from __future__ import annotations
 
-import contextlib
 import glob
-import importlib.util
 import json
 import math
 import os
 import pathlib
 import platform
 import re
+import shutil
 import sys
 import tempfile
 import time
 
 from absl import app, flags, logging
 
-from experiments import entry_points
+from experiments import compile_only, entry_points
 
 FLAGS = flags.FLAGS
 IMPLS = ("dense", "sparse")
 EXIT_REFUSED = 2
-TARGET = pathlib.Path(__file__).resolve().parent / "configs" / "h200.gpu_target.txtpb"
 _COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 # A temporaries' buffer line of XLA's buffer-assignment dump.
 _VALUE = re.compile(r"value: <\d+ (\S+) @0> \(size=(\d+),offset=(\d+)\): (\S+)")
@@ -66,7 +64,7 @@ def define_flags() -> None:
     flags.DEFINE_list("batches", ["8"], "Micro-batches (sequences) to plan.")
     flags.DEFINE_float("l1_coef", 2e-5, "Lambda of the L1 activation term.")
     flags.DEFINE_list("set", [], "key=value ModelConfig overrides, e.g. sparse_ell_width=64.")
-    flags.DEFINE_string("target_config", str(TARGET), "GpuTargetConfigProto text file.")
+    flags.DEFINE_string("target_config", str(compile_only.H200), "GpuTargetConfigProto text.")
     flags.DEFINE_integer("devices", 1, "GPUs of the target (one host); --batches are global.")
     flags.DEFINE_integer("mesh_data", 1, "Data-parallel mesh axis (-1: the remaining GPUs).")
     flags.DEFINE_integer("mesh_fsdp", -1, "FSDP mesh axis (-1: the remaining GPUs).")
@@ -74,21 +72,14 @@ def define_flags() -> None:
     flags.DEFINE_string("out", "", "JSON output path (default: print only).")
 
 
-def cuda_plugin() -> str | None:
-    """The installed jax CUDA plugin's module name, or None."""
-    for name in ("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13"):
-        with contextlib.suppress(ModuleNotFoundError):
-            if importlib.util.find_spec(name) is not None:
-                return name
-    return None
-
-
 def top_buffers(buffer_assignment: str, n: int, min_bytes: int = 0) -> list[dict]:
     """The n buffers of at least min_bytes among the preallocated temporaries that reach
     highest in the plan (offset + size; the larger first where they tie), from the text
-    of XLA's `*buffer-assignment.txt` dump."""
+    of XLA's `*buffer-assignment.txt` dump; none without a temporaries' allocation."""
     lines = buffer_assignment.splitlines()
-    start = next(i for i, line in enumerate(lines) if "preallocated-temp" in line)
+    start = next((i for i, line in enumerate(lines) if "preallocated-temp" in line), None)
+    if start is None:
+        return []
     found = []
     for line in lines[start + 1 :]:
         if line.startswith("allocation"):
@@ -104,41 +95,27 @@ def top_buffers(buffer_assignment: str, n: int, min_bytes: int = 0) -> list[dict
     return found[:n]
 
 
-@contextlib.contextmanager
-def _gpu_code_paths():
-    """The model and the kernels choose cuDNN attention and the Triton kernels from the
-    default backend, which is the CPU here while the step compiles for the GPU."""
-    import jax
-
-    default_backend = jax.default_backend
-    jax.default_backend = lambda: "gpu"
-    try:
-        yield
-    finally:
-        jax.default_backend = default_backend
+def _overrides() -> dict[str, str]:
+    return dict(kv.split("=", 1) for kv in FLAGS.set)
 
 
 def plan(impl: str, batch: int, target_config: str, dump_dir: str, top: int) -> dict:
     """Compiles the step of `impl` at `batch` x --seq for the target; its record."""
     import jax
     import jax.numpy as jnp
-    from jax.experimental import topologies
 
     from experiments import benchmark_train_model as btm
     from twell_jax import sharding, train
 
-    topology = topologies.get_topology_desc(
-        "plan", "cuda", target_config=target_config, topology=f"1x1x{FLAGS.devices}"
-    )
-    mesh = sharding.make_mesh(FLAGS.mesh_data, FLAGS.mesh_fsdp, devices=list(topology.devices))
-    overrides = dict(kv.split("=", 1) for kv in FLAGS.set)
-    cfg = btm._train_config(FLAGS.preset, impl, batch, FLAGS.seq, FLAGS.l1_coef, overrides)
+    gpus = compile_only.devices(target_config, FLAGS.devices)
+    mesh = sharding.make_mesh(FLAGS.mesh_data, FLAGS.mesh_fsdp, devices=gpus)
+    cfg = btm._train_config(FLAGS.preset, impl, batch, FLAGS.seq, FLAGS.l1_coef, _overrides())
     state = train.abstract_train_state(cfg, mesh)
     tokens = jax.ShapeDtypeStruct(
         (batch, FLAGS.seq), jnp.int32, sharding=sharding.batch_sharding(mesh)
     )
     started = time.perf_counter()
-    with _gpu_code_paths():
+    with compile_only.gpu_code_paths():
         lowered = train.make_train_step(cfg, mesh).lower(
             state, {"inputs": tokens, "targets": tokens}
         )
@@ -159,13 +136,16 @@ def plan(impl: str, batch: int, target_config: str, dump_dir: str, top: int) -> 
             op: text.count(f" {op}(") + text.count(f" {op}-start(") for op in _COLLECTIVES
         },
     }
-    dumps = sorted(glob.glob(os.path.join(dump_dir, "*step_fn*buffer-assignment.txt")))
-    if top and dumps:
-        # Buffers of a thousandth of the plan or more: scalars stack up at its very top.
-        text = pathlib.Path(dumps[-1]).read_text()
-        record["top_buffers"] = top_buffers(text, top, record["temp_bytes"] // 1000)
-    for path in glob.glob(os.path.join(dump_dir, "*")):
-        os.remove(path)
+    if top:
+        dumps = sorted(glob.glob(os.path.join(dump_dir, "*step_fn*buffer-assignment.txt")))
+        if not dumps:
+            logging.warning("no buffer-assignment dump of the step in %s: no --top", dump_dir)
+        else:
+            # Buffers of a thousandth of the plan or more: scalars stack up at its top.
+            assignment = pathlib.Path(dumps[-1]).read_text()
+            record["top_buffers"] = top_buffers(assignment, top, record["temp_bytes"] // 1000)
+        for path in glob.glob(os.path.join(dump_dir, "*")):
+            os.remove(path)
     return record
 
 
@@ -174,6 +154,10 @@ def _refusal(impls, batches, target: pathlib.Path) -> str | None:
         return f"--ffn_impls must be some of {IMPLS}, got {impls}"
     if not batches or not all(b.isdigit() and int(b) > 0 for b in batches):
         return f"--batches must be positive integers, got {batches}"
+    if FLAGS.seq < 1 or FLAGS.top < 0:
+        return f"--seq must be positive and --top at least 0, got {FLAGS.seq}, {FLAGS.top}"
+    if any("=" not in kv for kv in FLAGS.set):
+        return f"--set takes key=value overrides, got {FLAGS.set}"
     data, fsdp, devices = FLAGS.mesh_data, FLAGS.mesh_fsdp, FLAGS.devices
     axes = [size for size in (data, fsdp) if size != -1]
     if devices < 1 or not axes or min(axes) < 1 or devices % math.prod(axes):
@@ -184,11 +168,15 @@ def _refusal(impls, batches, target: pathlib.Path) -> str | None:
         return f"--batches must be multiples of --devices={devices} (the batch is split over all)"
     if not target.is_file():
         return f"--target_config={target}: no such file"
-    if cuda_plugin() is None:
-        return "the jax CUDA plugin is not installed: pip install 'jax[cuda12]==0.11.2'"
+    if compile_only.cuda_plugin() is None:
+        return f"the jax CUDA plugin is not installed: {compile_only.install_hint()}"
     try:
         entry_points.check_output_file("out", FLAGS.out)
-    except (OSError, ValueError) as e:
+        from experiments import benchmark_train_model as btm
+
+        for impl in impls:  # the preset and the overrides, before any compile
+            btm._train_config(FLAGS.preset, impl, 8, FLAGS.seq, FLAGS.l1_coef, _overrides())
+    except (OSError, ValueError, KeyError, TypeError) as e:
         return str(e)
     return None
 
@@ -196,19 +184,28 @@ def _refusal(impls, batches, target: pathlib.Path) -> str | None:
 def main(argv) -> int:
     if not entry_points.start_cli(argv):
         return EXIT_REFUSED
-    target = pathlib.Path(FLAGS.target_config)
-    reason = _refusal(FLAGS.ffn_impls, FLAGS.batches, target)
-    if reason:
-        logging.error("refused: %s", reason)
-        return EXIT_REFUSED
     dump_dir = tempfile.mkdtemp(prefix="plan_train_memory_")
-    # Before JAX starts: the plugin checks its CUDA libraries against a GPU it would
-    # not find, and autotuning needs a device.
+    # Before JAX starts: no GPU backend is wanted (the compile-only devices need none),
+    # the plugin would check its CUDA libraries against a GPU it would not find, and
+    # autotuning needs a device.
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
     xla_flags = ["--xla_gpu_autotune_level=0"]
     if FLAGS.top:
         xla_flags += [f"--xla_dump_to={dump_dir}", "--xla_dump_hlo_module_re=.*step_fn.*"]
     os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *xla_flags]).strip()
+    try:
+        return _plan_all(dump_dir)
+    finally:
+        shutil.rmtree(dump_dir, ignore_errors=True)
+
+
+def _plan_all(dump_dir: str) -> int:
+    target = pathlib.Path(FLAGS.target_config)
+    reason = _refusal(FLAGS.ffn_impls, FLAGS.batches, target)
+    if reason:
+        logging.error("refused: %s", reason)
+        return EXIT_REFUSED
     import jax
 
     text = target.read_text()
@@ -222,7 +219,7 @@ def main(argv) -> int:
         "devices": FLAGS.devices,
         "mesh": {"data": FLAGS.mesh_data, "fsdp": FLAGS.mesh_fsdp},
         "l1_coef": FLAGS.l1_coef,
-        "model_overrides": dict(kv.split("=", 1) for kv in FLAGS.set),
+        "model_overrides": _overrides(),
         "plans": [],
     }
     for impl in FLAGS.ffn_impls:
@@ -231,7 +228,6 @@ def main(argv) -> int:
             result["plans"].append(record)
             gib = {k: round(record[k] / 2**30, 3) for k in ("temp_bytes", "argument_bytes")}
             print(json.dumps({"impl": impl, "batch": batch, **gib}), flush=True)
-    os.rmdir(dump_dir)
     if FLAGS.out:
         with open(FLAGS.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -4,9 +4,9 @@ Interpret mode accepts Pallas code that the Triton lowering rejects; lowering fo
 "cuda" under an abstract CUDA mesh runs the real Pallas -> Triton IR path and raises
 the errors the GPU would. It cannot catch Triton compiler errors (shared memory or
 registers past the device's limits). Where the jax CUDA plugin is installed (no GPU
-needed), the functions are also compiled, Triton kernels to cubin included, for the
-H200 of `experiments/configs/h200.gpu_target.txtpb` on the plugin's compile-only
-devices, which does catch them (TWELL_LOWER_ONLY=1: lower only).
+needed; `experiments.compile_only`), the functions are also compiled, Triton kernels
+to cubin included, for an H200 on the plugin's compile-only devices, which does catch
+them (TWELL_LOWER_ONLY=1: lower only).
 """
 
 import functools
@@ -15,7 +15,7 @@ import os
 import jax
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
 
-from experiments.plan_train_memory import TARGET, cuda_plugin
+from experiments import compile_only
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 
@@ -24,15 +24,9 @@ TRITON_CALL = "__gpu$xla.gpu.triton"
 def _compile_only_h200():
     """A one-device mesh of the CUDA plugin's compile-only H200, or None without the
     plugin (or with TWELL_LOWER_ONLY=1)."""
-    if os.environ.get("TWELL_LOWER_ONLY") == "1" or cuda_plugin() is None:
+    if os.environ.get("TWELL_LOWER_ONLY") == "1" or compile_only.cuda_plugin() is None:
         return None
-    from jax.experimental import topologies
-
-    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
-    topology = topologies.get_topology_desc(
-        "h200", "cuda", target_config=TARGET.read_text(), topology="1x1x1"
-    )
-    return jax.sharding.Mesh(topology.devices, ("x",))
+    return jax.sharding.Mesh(compile_only.devices(compile_only.H200.read_text()), ("x",))
 
 
 def lower_for_cuda(fn, *args) -> str:

@@ -32,6 +32,7 @@ is single-device code.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -138,21 +139,22 @@ def in_sequence_chunks(fn: Callable[[jax.Array], jax.Array], x: jax.Array) -> ja
     """`fn(x)` for a per-sequence fn: x [B, ...] -> [B, ...], run on chunks of at most
     `ATTENTION_CHUNK_SEQS` sequences of each batch shard when B is larger.
 
-    A chunk takes the same rows of every shard (a [shards, chunks, rows] view of B), so
-    it stays split over the mesh like B itself; chunks are equal (their count is the
-    smallest divisor of the shard's rows that is large enough).
+    A chunk takes the same rows of every shard (a [shards, rows] view of B), so it
+    stays split over the mesh like B itself. The chunks are as even as their count
+    allows (at most two sizes, so at most two compiles of fn's kernels).
     """
     b, shards = x.shape[0], sharding.batch_shards()
     per_shard = b // shards if b % shards == 0 else b
     chunks = -(-per_shard // ATTENTION_CHUNK_SEQS)
-    while per_shard % chunks:
-        chunks += 1
     if chunks == 1:
         return fn(x)
-    view = x.reshape(b // per_shard, chunks, per_shard // chunks, *x.shape[1:])
-    outs = [fn(view[:, c].reshape(-1, *x.shape[1:])) for c in range(chunks)]
-    outs = [o.reshape(b // per_shard, per_shard // chunks, *o.shape[1:]) for o in outs]
-    return jnp.stack(outs, axis=1).reshape(b, *outs[0].shape[2:])
+    view = x.reshape(b // per_shard, per_shard, *x.shape[1:])
+    bounds = [per_shard * c // chunks for c in range(chunks + 1)]
+    outs = []
+    for start, stop in itertools.pairwise(bounds):
+        out = fn(view[:, start:stop].reshape(-1, *x.shape[1:]))
+        outs.append(out.reshape(b // per_shard, stop - start, *out.shape[1:]))
+    return jnp.concatenate(outs, axis=1).reshape(b, *outs[0].shape[2:])
 
 
 class Attention(nnx.Module):
@@ -176,20 +178,20 @@ class Attention(nnx.Module):
         Generation uses W_o as [H, nH D] instead (`twell_jax.serving`): at one token per
         call XLA compiles both this layout and the einsum over (head, D) into a slow
         reduction (docs/performance_notes.md, "Generation"). Runs on chunks of at most
-        ATTENTION_CHUNK_SEQS sequences (`in_sequence_chunks`); the weights are cast
-        outside the chunks, so an FSDP mesh gathers each once.
+        ATTENTION_CHUNK_SEQS sequences (`in_sequence_chunks`). The fp32 weights are
+        read once outside the chunks (an FSDP mesh gathers each once) and cast inside
+        them, so that the chunks' weight gradients add up in fp32.
         """
-        cast = lambda w: w[...].astype(self.dtype)
-        wq, wk, wv = cast(self.wq), cast(self.wk), cast(self.wv)
+        wq, wk, wv = self.wq[...], self.wk[...], self.wv[...]
         n, d, h = self.wo.shape
-        wo = cast(self.wo).reshape(n * d, h)
+        wo = self.wo[...].reshape(n * d, h)
         impl = attention_implementation(self.dtype, d)
 
         def block(x):
-            proj = lambda w: jnp.einsum("bsh,hnd->bsnd", x, w)
+            proj = lambda w: jnp.einsum("bsh,hnd->bsnd", x, w.astype(self.dtype))
             q, k = apply_rope(proj(wq), cos, sin), apply_rope(proj(wk), cos, sin)
             o = jax.nn.dot_product_attention(q, k, proj(wv), is_causal=True, implementation=impl)
-            return jnp.dot(o.reshape(*o.shape[:-2], n * d), wo)
+            return jnp.dot(o.reshape(*o.shape[:-2], n * d), wo.astype(self.dtype))
 
         return in_sequence_chunks(block, x)
 

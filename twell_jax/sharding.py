@@ -8,11 +8,11 @@ the stacked layer axis) and replicated over `DATA_AXIS`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
-import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -86,7 +86,7 @@ def batch_shards() -> int:
     """How many pieces the batch dimension is split into under the mesh in context (1
     without a training mesh)."""
     mesh = _batch_mesh()
-    return 1 if mesh is None else int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
+    return 1 if mesh is None else math.prod(mesh.shape[a] for a in BATCH_AXES)
 
 
 def constrain_batch(x: jax.Array) -> jax.Array:

@@ -293,7 +293,9 @@ def gate_to_ell(
         with jax.named_scope("twell_compact"):
             part = compact_rows(u, width=width, launch=launch, impl=impl, interpret=interpret)
         parts.append(part)
-        done = part[0].counts
+        # The next block waits for this one's reductions too (its column counts come
+        # from the [rows / block_m, N] records), or XLA may leave them all to the end.
+        done = (part[0].counts, part[0].col_counts, part[1], part[2])
     if len(parts) == 1:
         return parts[0]
     ells, fired, finite = zip(*parts, strict=True)

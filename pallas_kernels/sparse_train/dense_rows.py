@@ -5,7 +5,9 @@ Two users: the training op's dense fallback (`op`), and the dense branch of a mo
 per-layer sparse / dense switch (`blocked_gated_mlp`). Both sit in a conditional
 beside the sparse kernels, and XLA plans a conditional's memory for its largest branch:
 a whole-M dense branch makes the sparse step's peak that of the dense MLP however
-rarely it runs (docs/performance_notes.md, "Training-step memory").
+rarely it runs (docs/performance_notes.md, "Training-step memory"). `row_blocks` and
+`after` also cut the op's gate GEMM (`compaction.gate_to_ell`) and hot block (`hot`)
+in large calls.
 
 Shapes: x [M, H] bf16; weights [N, H] (w_down is down_proj transposed). Rounding as
 `reference.dense_block` (bf16-output GEMMs, fp32 accumulation inside).

@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from experiments import compile_only
 from experiments import plan_train_memory as ptm
 from tests.experiments.cli import refusal, run_module
 
@@ -29,6 +30,7 @@ def test_top_buffers_reads_the_temporaries_plan():
     assert top[1] == {"name": "slice.2", "shape": "bf16[16,32]{1,0}", "bytes": 1024, "offset": 3072}
     names = [b["name"] for b in ptm.top_buffers(_ASSIGNMENT, 10)]
     assert names == ["fusion.5", "slice.2", "scalar.4", "gemm.1"]  # no tuple, no parameter
+    assert ptm.top_buffers(_ASSIGNMENT.split("allocation 1")[0], 3) == []  # no temporaries
 
 
 @pytest.mark.parametrize(
@@ -42,21 +44,27 @@ def test_top_buffers_reads_the_temporaries_plan():
         (["--devices=8", "--mesh_data=3"], "does not fit --devices=8"),
         (["--devices=4", "--mesh_data=2", "--mesh_fsdp=4"], "does not fit --devices=4"),
         (["--devices=4", "--batches=6"], "multiples of --devices=4"),
+        (["--set=remat"], "--set takes key=value"),
+        (["--seq=0"], "--seq must be positive"),
+        (["--top=-1"], "--top at least 0"),
     ],
 )
 def test_cli_refuses_in_one_line(args, says):
-    if args[0].startswith("--out") and ptm.cuda_plugin() is None:
+    if args[0].startswith("--out") and compile_only.cuda_plugin() is None:
         says = "jax CUDA plugin is not installed"  # refused before the output path
     assert says in refusal(run_module("plan_train_memory", *args))
 
 
-@pytest.mark.skipif(ptm.cuda_plugin() is not None, reason="the jax CUDA plugin is installed")
+@pytest.mark.skipif(
+    compile_only.cuda_plugin() is not None, reason="the jax CUDA plugin is installed"
+)
 def test_cli_names_the_missing_plugin():
-    assert "pip install 'jax[cuda12]==0.11.2'" in refusal(run_module("plan_train_memory"))
+    says = refusal(run_module("plan_train_memory"))
+    assert "jax CUDA plugin is not installed: pip install 'jax[cuda12]==0.11.2'" in says
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(ptm.cuda_plugin() is None, reason="needs the jax CUDA plugin (no GPU)")
+@pytest.mark.skipif(compile_only.cuda_plugin() is None, reason="needs the jax CUDA plugin (no GPU)")
 def test_cli_plans_both_steps_without_a_gpu(tmp_path):
     out = tmp_path / "plan.json"
     args = ["--preset=tiny", "--seq=256", "--batches=2,4", "--top=3", f"--out={out}"]
@@ -74,7 +82,7 @@ def test_cli_plans_both_steps_without_a_gpu(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(ptm.cuda_plugin() is None, reason="needs the jax CUDA plugin (no GPU)")
+@pytest.mark.skipif(compile_only.cuda_plugin() is None, reason="needs the jax CUDA plugin (no GPU)")
 def test_cli_plans_the_step_partitioned_over_two_gpus(tmp_path):
     """Full FSDP over 2 GPUs, remat on: half the state per device, the gradients
     reduce-scattered, and the sparse step gathers no more than the dense one (its ELL

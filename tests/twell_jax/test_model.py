@@ -92,12 +92,14 @@ def test_attention_uses_xla_on_cpu():
 
 
 @pytest.mark.parametrize(
-    "batch, chunk_seqs, sizes", [(6, 2, [2, 2, 2]), (5, 2, [1] * 5), (4, 32, [4])]
+    "batch, shards, chunk_seqs, sizes",
+    [(6, 1, 2, [2, 2, 2]), (5, 1, 2, [1, 2, 2]), (4, 1, 32, [4]), (6, 2, 2, [2, 4])],
 )
-def test_attention_runs_in_sequence_chunks(monkeypatch, batch, chunk_seqs, sizes):
-    """Past ATTENTION_CHUNK_SEQS sequences the attention block runs on equal chunks of
-    the batch (cuDNN's backward keeps an fp32 dQ accumulator over its whole batch): the
-    same logits and gradients, fp32."""
+def test_attention_runs_in_sequence_chunks(monkeypatch, batch, shards, chunk_seqs, sizes):
+    """Past ATTENTION_CHUNK_SEQS sequences per batch shard the attention block runs on
+    chunks of the batch as even as their count allows (cuDNN's backward keeps an fp32
+    dQ accumulator over its whole batch): the same logits and gradients, fp32. With 2
+    shards a chunk takes the same rows of each (sizes are per call: both shards')."""
     cfg = small_model(dtype="float32")
     params, t = init_params(cfg), tokens(cfg, batch=batch)
     graphdef = train.model_graphdef(cfg)
@@ -114,6 +116,7 @@ def test_attention_runs_in_sequence_chunks(monkeypatch, batch, chunk_seqs, sizes
         lambda q, *a, **k: (seen.append(q.shape[0]), attend(q, *a, **k))[1],
     )
     monkeypatch.setattr(M, "ATTENTION_CHUNK_SEQS", chunk_seqs)
+    monkeypatch.setattr(M.sharding, "batch_shards", lambda: shards)
     (_, logits), grads = jax.value_and_grad(loss, has_aux=True)(params)
     assert seen == sizes  # one trace of the scanned layer
     np.testing.assert_allclose(logits, want_logits, rtol=1e-5, atol=1e-6)

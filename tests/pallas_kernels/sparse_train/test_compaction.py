@@ -127,7 +127,11 @@ def test_gate_to_ell_in_row_blocks_matches_one_call(monkeypatch, interpret, nan_
     u = jnp.einsum("mh,nh->mn", x, wg, preferred_element_type=x.dtype)
     want = compaction.compact_rows(u, width=16, launch=launch, interpret=interpret)
     monkeypatch.setattr(compaction, "GATE_BLOCK_ROWS", 16)
+    rows, compact = [], compaction.compact_rows
+    monkeypatch.setattr(compaction, "compact_rows", lambda u, **k: (
+        rows.append(u.shape[0]), compact(u, **k))[1])  # fmt: skip
     got = compaction.gate_to_ell(x, wg, width=16, launch=launch, interpret=interpret)
+    assert rows == [16, 16, 8]
     for name, a, b in zip(("counts", "cols", "vals", "col_counts"), got[0], want[0], strict=True):
         np.testing.assert_array_equal(f32(a), f32(b), err_msg=name)
     np.testing.assert_array_equal(got[1], want[1])

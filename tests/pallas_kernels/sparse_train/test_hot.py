@@ -113,7 +113,11 @@ def test_hot_block_in_row_blocks(monkeypatch, case):
     cfg = SparseTrainConfig(**HOT)
     (_, (_, whole_stats)), whole = _grads(_sparse_loss, *inputs, cfg=cfg, interpret=True)
     monkeypatch.setattr(hot, "BLOCK_ROWS", 16)
+    rows, products = [], hot._block_products
+    monkeypatch.setattr(hot, "_block_products", lambda k, i, c, *a: (
+        rows.append(c.shape[0]), products(k, i, c, *a))[1])  # fmt: skip
     (_, (_, stats)), blocked = _grads(_sparse_loss, *inputs, cfg=cfg, interpret=True)
+    assert rows[-3:] == [16, 16, 8]  # the largest bucket's branch, traced last
     assert int(stats["hot_neurons"]) == int(whole_stats["hot_neurons"]) >= 2
     for name, a, b in zip(("dx", "dWg", "dWu", "dWd"), blocked, whole, strict=True):
         assert rel_err(a, b) < 1e-3, name
