@@ -19,15 +19,17 @@ training, and each record is one device's plan, with the step's collectives coun
 
     python -m experiments.plan_train_memory --preset=2b --devices=8 --batches=64,256
 
-What such a plan leaves out, so read it as a comparison of variants of a step, not as
-the card's limit:
+What such a plan leaves out:
 - cuDNN's workspaces are planned as 0 bytes (cuDNN sizes them on a device); the
-  attention backward's is an fp32 dQ accumulator of its batch, 16 MiB per 2048-token
+  attention backward's is an fp32 dQ accumulator of its batch (of a chunk of at most
+  32 sequences since `twell_jax.model.in_sequence_chunks`), ~16 MiB per 2048-token
   sequence at 32 heads of 64;
-- no autotuning (GEMM and fusion choices may differ) and a fallback sort instead of
-  CUB's.
-On the H200 the measured plans of the same steps were 0.3 GiB (batch 8) to 11 GiB
-(dense, batch 224) above these (docs/performance_notes.md, "Training-step memory").
+- no autotuning: the GEMMs go to cuBLAS, as the H200's autotuner picks for this step
+  (--triton_gemm lets XLA fuse them instead, which planned up to 7 GiB less than the
+  card), and a fallback sort instead of CUB's.
+With cuBLAS GEMMs the plans of the 2B step came within 0.25 GiB of the H200's at 8
+sequences and within its whole-batch cuDNN workspace at 224-272 (docs/
+performance_notes.md, "Training-step memory").
 """
 
 from __future__ import annotations
@@ -69,6 +71,9 @@ def define_flags() -> None:
     flags.DEFINE_integer("mesh_data", 1, "Data-parallel mesh axis (-1: the remaining GPUs).")
     flags.DEFINE_integer("mesh_fsdp", -1, "FSDP mesh axis (-1: the remaining GPUs).")
     flags.DEFINE_integer("top", 0, "Buffers at the top of each plan to record.")
+    flags.DEFINE_bool(
+        "triton_gemm", False, "Let XLA fuse GEMMs with Triton (off: cuBLAS, as autotuned)."
+    )
     flags.DEFINE_string("out", "", "JSON output path (default: print only).")
 
 
@@ -190,7 +195,12 @@ def main(argv) -> int:
     # autotuning needs a device.
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
+    # Without autotuning XLA takes its Triton GEMM fusions, whose fused epilogues plan
+    # up to 7 GiB less than the card: its autotuner picks cuBLAS for the step's large
+    # GEMMs (docs/performance_notes.md, "Training-step memory").
     xla_flags = ["--xla_gpu_autotune_level=0"]
+    if not FLAGS.triton_gemm:
+        xla_flags.append("--xla_gpu_enable_triton_gemm=false")
     if FLAGS.top:
         xla_flags += [f"--xla_dump_to={dump_dir}", "--xla_dump_hlo_module_re=.*step_fn.*"]
     os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *xla_flags]).strip()
