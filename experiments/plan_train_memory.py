@@ -104,16 +104,15 @@ def _overrides() -> dict[str, str]:
     return dict(kv.split("=", 1) for kv in FLAGS.set)
 
 
-def plan(impl: str, batch: int, target_config: str, dump_dir: str, top: int) -> dict:
-    """Compiles the step of `impl` at `batch` x --seq for the target; its record."""
+def plan(impl: str, batch: int, mesh, dump_dir: str, top: int) -> dict:
+    """Compiles the step of `impl` at `batch` x --seq on `mesh` (of the target's
+    compile-only devices); its record."""
     import jax
     import jax.numpy as jnp
 
     from experiments import benchmark_train_model as btm
     from twell_jax import sharding, train
 
-    gpus = compile_only.devices(target_config, FLAGS.devices)
-    mesh = sharding.make_mesh(FLAGS.mesh_data, FLAGS.mesh_fsdp, devices=gpus)
     cfg = btm._train_config(FLAGS.preset, impl, batch, FLAGS.seq, FLAGS.l1_coef, _overrides())
     state = train.abstract_train_state(cfg, mesh)
     tokens = jax.ShapeDtypeStruct(
@@ -218,7 +217,11 @@ def _plan_all(dump_dir: str) -> int:
         return EXIT_REFUSED
     import jax
 
+    from twell_jax import sharding
+
     text = target.read_text()
+    gpus = compile_only.devices(text, FLAGS.devices)
+    mesh = sharding.make_mesh(FLAGS.mesh_data, FLAGS.mesh_fsdp, devices=gpus)
     result = {
         "command": " ".join(["python -m experiments.plan_train_memory", *sys.argv[1:]]),
         "host": platform.node(),
@@ -234,7 +237,7 @@ def _plan_all(dump_dir: str) -> int:
     }
     for impl in FLAGS.ffn_impls:
         for batch in map(int, FLAGS.batches):
-            record = plan(impl, batch, text, dump_dir, FLAGS.top)
+            record = plan(impl, batch, mesh, dump_dir, FLAGS.top)
             result["plans"].append(record)
             gib = {k: round(record[k] / 2**30, 3) for k in ("temp_bytes", "argument_bytes")}
             print(json.dumps({"impl": impl, "batch": batch, **gib}), flush=True)
