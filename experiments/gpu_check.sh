@@ -106,7 +106,7 @@ for what in "${@:-all}"; do
       python3 -m experiments.benchmark_memory --preset=2b --batch=8 --seq=2048 \
         --ffn_impls=sparse --model_nnz=29 --set=sparse_save_residuals=false \
         --out="$OUT/train_step_memory_2b_sparse_recompute_h200.json" || status=1 ;;
-    capacity)  # the largest 2B micro-batch that fits, per FFN (one impl per call fits 10 min)
+    capacity)  # the largest 2B micro-batch that fits, per FFN, to within CAPACITY_STEP sequences
       # The platform allocator: the BFC pool ran dense out of memory at batch 128, far
       # below the card (docs/results.md, "Training-step memory"). Both fit 224.
       # sparse_recompute: the sparse FFN with its ELL residuals recomputed in the backward.
@@ -115,7 +115,7 @@ for what in "${@:-all}"; do
         [ "$impl" = sparse_recompute ] && ffn=sparse && set_args=(--set=sparse_save_residuals=false)
         python3 -m experiments.benchmark_memory --preset=2b --batch=224 --calib_batch=64 \
           --seq=2048 --ffn_impls="$ffn" --model_nnz=29 --steps=2 --allocator=platform \
-          --search_batch --max_batch=320 --search_step=16 ${set_args[@]+"${set_args[@]}"} \
+          --search_batch --max_batch=320 --search_step="${CAPACITY_STEP:-4}" ${set_args[@]+"${set_args[@]}"} \
           --out="$OUT/train_step_capacity_2b_${impl}_h200.json" || status=1
       done ;;
     demo)  # the 1B run and its dense twin (README "A real run"); needs data/stdlib_bpe8k
