@@ -203,6 +203,9 @@ flags.DEFINE_list("train_nnz", ["10", "29", "50", "100"], "Densities of --mode=t
 flags.DEFINE_multi_string(
     "train_config", [], "key=value SparseTrainConfig overrides of --mode=train (repeatable)."
 )
+flags.DEFINE_multi_string(
+    "train_config_compare", [], "Overrides timed beside --train_config (--pattern=captured)."
+)
 flags.DEFINE_integer("train_tokens", 16384, "M of --mode=train (per-GPU micro-batch).")
 flags.DEFINE_integer("reps", 30, "Timed calls per measurement (median reported).")
 flags.DEFINE_integer("warmup", 5, "Untimed calls first.")
@@ -223,6 +226,11 @@ def _runs_data_dir(*workdirs: str) -> str:
     if len(dirs) > 1:
         raise ValueError(f"runs {list(workdirs)} trained on different corpora {sorted(dirs)}")
     return dirs.pop()
+
+
+def _train_config(overrides: list[str]) -> SparseTrainConfig:
+    """SparseTrainConfig with key=value `overrides` (--train_config and its compare)."""
+    return with_overrides(SparseTrainConfig(), dict(kv.split("=", 1) for kv in overrides))
 
 
 def _energy_meter():
@@ -327,9 +335,10 @@ def main(argv):
             layers=tuple(int(v) for v in FLAGS.capture_layers),
             M=FLAGS.train_tokens,
             reps=FLAGS.reps,
-            config=with_overrides(
-                SparseTrainConfig(), dict(kv.split("=", 1) for kv in FLAGS.train_config)
-            ),
+            config=_train_config(FLAGS.train_config),
+            compare=_train_config(FLAGS.train_config_compare)
+            if FLAGS.train_config_compare
+            else None,
         )
     elif FLAGS.mode == "train":
         result["cases"] = benchmark_train.run(
@@ -340,9 +349,7 @@ def main(argv):
             reps=FLAGS.reps,
             pattern=FLAGS.pattern,
             sigma=FLAGS.pattern_sigma,
-            config=with_overrides(
-                SparseTrainConfig(), dict(kv.split("=", 1) for kv in FLAGS.train_config)
-            ),
+            config=_train_config(FLAGS.train_config),
         )
         _print_records(result["cases"])
     elif FLAGS.mode == "model":

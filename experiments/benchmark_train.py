@@ -344,6 +344,7 @@ def run_captured(
     M: int = 16384,
     reps: int = 20,
     config: SparseTrainConfig | None = None,
+    compare: SparseTrainConfig | None = None,
 ) -> list[dict]:
     """The op on the FFN inputs and weights of a trained checkpoint, with a control.
 
@@ -351,7 +352,11 @@ def run_captured(
     tokens of `data_dir`, the checkpoint's bf16 weights and a random upstream
     gradient; then the same shapes with uniform synthetic gates at the measured l0
     (pattern "uniform"). `vs_uniform` is the captured sparse time over the control's:
-    the median per-round ratio with the two alternating in one rotation.
+    the median per-round ratio with the two alternating in one rotation. With
+    `compare`, the op under that config joins the rotation on both inputs, and
+    `compare` holds its ratios: `vs_uniform`, and `captured` / `control`, its time over
+    `config`'s on each input (per-round medians; the controls read how far identical
+    work drifts).
     """
     from flax import nnx
 
@@ -360,6 +365,7 @@ def run_captured(
 
     config = config or SparseTrainConfig()
     steps = _steps(config)
+    steps_b = _steps(compare) if compare is not None else None
     cfg, params, step = trained_params(workdir)
     seq = cfg.model.seq_len
     data_cfg = input_pipeline.DataConfig(
@@ -384,12 +390,22 @@ def run_captured(
         control = synthetic_inputs(layer, M, x.shape[1], w[0].shape[0], max(rec["l0"], 0.5))
         rec["uniform_control"] = _measure(control, steps, config, reps, breakdown=False)
         # The ratio from its own rotation: captured and control alternate call by call.
-        pair = {
-            "captured": functools.partial(steps["sparse"], x, *w, g),
-            "control": functools.partial(steps["sparse"], *control),
-        }
+        # (`time_interleaved` gives a/b for a listed before b: the compared ones first.)
+        pair = {}
+        if steps_b is not None:
+            pair["captured_b"] = functools.partial(steps_b["sparse"], x, *w, g)
+            pair["control_b"] = functools.partial(steps_b["sparse"], *control)
+        pair["captured"] = functools.partial(steps["sparse"], x, *w, g)
+        pair["control"] = functools.partial(steps["sparse"], *control)
         t = bu.time_interleaved(pair, warmup=3, reps=2 * reps, inner=5)
-        rec["vs_uniform"] = t["ratios"]["captured/control"]
+        ratios = t["ratios"]
+        rec["vs_uniform"] = ratios["captured/control"]
+        if steps_b is not None:
+            rec["compare"] = {
+                "vs_uniform": ratios["captured_b/control_b"],
+                "captured": ratios["captured_b/captured"],
+                "control": ratios["control_b/control"],
+            }
         records.append(rec)
         print(json.dumps({k: v for k, v in rec.items() if not isinstance(v, dict)}), flush=True)
     return records

@@ -382,6 +382,7 @@ def test_trained_checkpoint_neuron_profile_and_captured_benchmark(straight, data
     recs = benchmark_train.run_captured(
         str(workdir), str(data_dir), layers=(0, 1), M=64, reps=1,
         config=SparseTrainConfig(impl="xla"),
+        compare=SparseTrainConfig(impl="xla", hot_min_count=10**6),
     )  # fmt: skip
     for layer, rec in enumerate(recs):
         assert rec["layer"] == layer and rec["pattern"] == "captured" and rec["M"] == 64
@@ -391,6 +392,9 @@ def test_trained_checkpoint_neuron_profile_and_captured_benchmark(straight, data
         # the paired ratio of its own rotation, near the ratio of the two medians
         assert 0 < rec["vs_uniform"] < 10
         assert rec["uniform_control"]["sparse_ms"] > 0
+        # the compared config in the same rotation, on both inputs
+        assert sorted(rec["compare"]) == ["captured", "control", "vs_uniform"]
+        assert all(0 < v < 10 for v in rec["compare"].values())
 
 
 @pytest.mark.slow
