@@ -6,6 +6,17 @@ ids, the MLP over those ids and the dense MLP).
 """
 
 from pallas_kernels.decode.kernels import DecodeConfig
-from pallas_kernels.decode.op import DecodeStats, decode_supported, sparse_decode_mlp
+from pallas_kernels.decode.op import (
+    DecodeStats,
+    decode_supported,
+    sparse_decode_ffn_block,
+    sparse_decode_mlp,
+)
 
-__all__ = ["DecodeConfig", "DecodeStats", "decode_supported", "sparse_decode_mlp"]
+__all__ = [
+    "DecodeConfig",
+    "DecodeStats",
+    "decode_supported",
+    "sparse_decode_ffn_block",
+    "sparse_decode_mlp",
+]

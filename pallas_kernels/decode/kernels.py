@@ -35,6 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _triton as tr
+from pallas_kernels.normed_projection import row_factors
 
 _F32 = jnp.float32
 _BF16 = jnp.bfloat16
@@ -165,8 +166,9 @@ def _group_lanes(q, group: int, slot, active, n_active, j):
 
 def _gate_up_down_kernel(x_ref, wg_ref, wu_ref, wd_ref, part_ref, counts_ref, bcount_ref,
                          bad_ref, *, mp, block_n, block_k, up_block_k, group, block_h,
-                         row_group):  # fmt: skip
-    """Program j: neurons j*block_n + [0, block_n); the outputs are `BlockShares`'."""
+                         row_group, eps):  # fmt: skip
+    """Program j: neurons j*block_n + [0, block_n); the outputs are `BlockShares`'.
+    With eps, the products of row r are those of x_r / rms(x_r) (`gate_up_down`)."""
     m, h = x_ref.shape
     n = wg_ref.shape[0]
     nb = n // block_n
@@ -187,6 +189,11 @@ def _gate_up_down_kernel(x_ref, wg_ref, wu_ref, wd_ref, part_ref, counts_ref, bc
 
     zeros = jnp.zeros((mp, block_n), _F32)
     g32 = lax.fori_loop(0, pieces, gate_step, zeros)
+    # The RMSNorm's per-row factor, after the loop (the x tile stays the dot's alone);
+    # it commutes with relu (factor > 0) and scales the up products the same way.
+    factor = row_factors(x_ref, mp, eps) if eps is not None else None
+    if factor is not None:
+        g32 = g32 * factor[:, None]
 
     # The finite check of x runs outside the gate loop, one piece per program: inside,
     # a use of the x tile besides the dot slows the loop (docs/performance_notes.md).
@@ -219,7 +226,7 @@ def _gate_up_down_kernel(x_ref, wg_ref, wu_ref, wd_ref, part_ref, counts_ref, bc
 
     if row_group:
         fire = functools.partial(
-            _fire_by_rows, x_ref, wu_ref, wd_ref, part_ref, j=j, group=row_group
+            _fire_by_rows, x_ref, wu_ref, wd_ref, part_ref, j=j, group=row_group, factor=factor
         )
         pl.when(n_active > 0)(lambda: fire(g, active, slot, n_active))
         return
@@ -239,6 +246,8 @@ def _gate_up_down_kernel(x_ref, wg_ref, wu_ref, wd_ref, part_ref, counts_ref, bc
 
             zeros = jnp.zeros((mp, group), _F32)
             u = lax.fori_loop(0, h // up_block_k, up_step, zeros)
+            if factor is not None:
+                u = u * factor[:, None]
             sel = jnp.where(onehot, 1.0, 0.0).astype(_BF16)  # [group, block_n]
             g_ids = _dot_t(g, sel)  # g[:, ids], exact: one term per column
             hv = (g_ids * u.astype(_BF16).astype(_F32)).astype(_BF16)  # [Mp, group]
@@ -263,7 +272,8 @@ def _gate_up_down_kernel(x_ref, wg_ref, wu_ref, wd_ref, part_ref, counts_ref, bc
         lax.fori_loop(1, pl.cdiv(n_active, group), later, 0)
 
 
-def _fire_by_rows(x_ref, wu_ref, wd_ref, part_ref, g, active, slot, n_active, *, j, group):
+def _fire_by_rows(x_ref, wu_ref, wd_ref, part_ref, g, active, slot, n_active, *, j, group,
+                  factor):  # fmt: skip
     """The firing phase for small M (`DecodeConfig.row_products_max_m`): per group of
     the block's active neurons, their whole W_up and W_down rows in one gather, then
     for each token row r the up products x_r . Wu[id] and the share sum_id h[r, id]
@@ -274,12 +284,16 @@ def _fire_by_rows(x_ref, wu_ref, wd_ref, part_ref, g, active, slot, n_active, *,
     barriers keep the compiler from issuing the next row's load early).
 
     g: bf16 [Mp, block_n] gate of the block; active, slot: int32 [block_n] (1 where a
-    lane fires; its rank among the active lanes); n_active: int32 scalar."""
+    lane fires; its rank among the active lanes); n_active: int32 scalar; factor: fp32
+    [Mp] norm factors of the rows (None: no norm)."""
     m, h = x_ref.shape
     rows, cols = tr.iota(g.shape[0]), tr.iota(h)
     g32 = g.astype(_F32)
     x_rows = [tr.load(x_ref.at[r, cols]) for r in range(m)]  # bf16 [H] each
     g_rows = [jnp.sum(jnp.where(rows[:, None] == r, g32, 0), axis=0) for r in range(m)]
+    f_rows = [
+        None if factor is None else jnp.sum(jnp.where(rows == r, factor, 0)) for r in range(m)
+    ]
 
     def one_group(q, carry, *, first):
         onehot, ok, ids = _group_lanes(q, group, slot, active, n_active, j)
@@ -289,6 +303,8 @@ def _fire_by_rows(x_ref, wu_ref, wd_ref, part_ref, g, active, slot, n_active, *,
         # products convert them per row
         for r in range(m):
             u = jnp.sum(wu.astype(_F32) * x_rows[r].astype(_F32)[None, :], axis=1)  # [group]
+            if f_rows[r] is not None:
+                u = u * f_rows[r]
             g_ids = jnp.sum(jnp.where(onehot, g_rows[r][None, :], 0), axis=1)  # exact: one term
             hv = (g_ids * u.astype(_BF16).astype(_F32)).astype(_BF16).astype(_F32)
             share = jnp.sum(hv[:, None] * wd.astype(_F32), axis=0)  # [H] fp32
@@ -307,8 +323,12 @@ def _row_group(cfg: DecodeConfig, m: int) -> int:
     return cfg.row_group if m <= cfg.row_products_max_m else 0
 
 
-def gate_up_down(x, w_gate, w_up, w_down, cfg: DecodeConfig, *, interpret: bool) -> BlockShares:
-    """x [M, H] bf16, weights [N, H] bf16 -> `BlockShares`."""
+def gate_up_down(x, w_gate, w_up, w_down, cfg: DecodeConfig, *, interpret: bool,
+                 eps: float | None = None) -> BlockShares:  # fmt: skip
+    """x [M, H] bf16, weights [N, H] bf16 -> `BlockShares`. With eps, of the rows
+    x_r * rsqrt(mean(x_r^2) + eps) (an RMSNorm whose scale is folded into w_gate and
+    w_up): each row's gate and up products are scaled by its factor in fp32, before
+    they are rounded."""
     m, h = x.shape
     n = w_gate.shape[0]
     mp = padded_rows(m)
@@ -318,7 +338,7 @@ def gate_up_down(x, w_gate, w_up, w_down, cfg: DecodeConfig, *, interpret: bool)
     kernel = functools.partial(
         _gate_up_down_kernel, mp=mp, block_n=cfg.block_n, block_k=block_k,
         up_block_k=_fit_up_block_k(cfg, mp), group=cfg.group, block_h=_fit_block_h(cfg, mp),
-        row_group=row_group,
+        row_group=row_group, eps=eps,
     )  # fmt: skip
     warps = cfg.row_warps if row_group else cfg.gate_warps
     out = tr.pallas_call(
@@ -337,11 +357,13 @@ def gate_up_down(x, w_gate, w_up, w_down, cfg: DecodeConfig, *, interpret: bool)
     return BlockShares(*out)
 
 
-def _reduce_kernel(part_ref, bad_ref, out_ref, *, reduce_h, pieces):
+def _reduce_kernel(part_ref, bad_ref, *refs, reduce_h, pieces):
     """Program (row r, H block c): the sum over blocks of part[:, r, block c] (zero
-    for blocks where nothing fired), NaN where row r of x is not finite. part_ref is
+    for blocks where nothing fired), NaN where row r of x is not finite; plus the
+    residual's block where refs is (residual_ref, out_ref). part_ref is
     `BlockShares.part` as [nb, M * H], bad_ref `BlockShares.bad` as [pieces * Mp]
     (flat, so every index is one array)."""
+    out_ref = refs[-1]
     nb = part_ref.shape[0]
     m, h = out_ref.shape
     mp = bad_ref.shape[0] // pieces
@@ -355,14 +377,20 @@ def _reduce_kernel(part_ref, bad_ref, out_ref, *, reduce_h, pieces):
     total = jnp.sum(shares, axis=0)
     p = tr.iota(tr.next_pow2(pieces))
     bad = jnp.max(tr.load(bad_ref.at[p * mp + r], mask=p < pieces, other=0))
-    total = jnp.where(bad > 0, jnp.nan, total)
-    out_ref[r, pl.ds(c * reduce_h, reduce_h)] = total.astype(out_ref.dtype)
+    total = jnp.where(bad > 0, jnp.nan, total).astype(out_ref.dtype)
+    block = pl.ds(c * reduce_h, reduce_h)
+    if len(refs) == 2:  # the residual add, rounded as x + out in bf16 is
+        total = (refs[0][r, block].astype(_F32) + total.astype(_F32)).astype(out_ref.dtype)
+    out_ref[r, block] = total
 
 
-def reduce_blocks(shares: BlockShares, cfg: DecodeConfig, *, interpret: bool) -> jax.Array:
-    """out [M, H] bf16: the sum of `shares`' block shares (see `_reduce_kernel`)."""
+def reduce_blocks(shares: BlockShares, cfg: DecodeConfig, *, interpret: bool,
+                  residual: jax.Array | None = None) -> jax.Array:  # fmt: skip
+    """out [M, H] bf16: the sum of `shares`' block shares (see `_reduce_kernel`),
+    rounded, plus `residual` [M, H] bf16 where given (rounded again)."""
     nb, m, h = shares.part.shape
     pieces = shares.bad.shape[0]
+    extra = () if residual is None else (residual,)
     return tr.pallas_call(
         functools.partial(_reduce_kernel, reduce_h=cfg.reduce_h, pieces=pieces),
         out_shape=jax.ShapeDtypeStruct((m, h), _BF16),
@@ -370,4 +398,4 @@ def reduce_blocks(shares: BlockShares, cfg: DecodeConfig, *, interpret: bool) ->
         compiler_params=tr.compiler_params(cfg.reduce_warps, 1),
         interpret=interpret,
         name="decode_reduce_blocks",
-    )(shares.part.reshape(nb, m * h), shares.bad.reshape(-1))
+    )(shares.part.reshape(nb, m * h), shares.bad.reshape(-1), *extra)

@@ -35,6 +35,12 @@ they do not reach out.
 
 Inference only: no custom_vjp, and the kernels have no transpose; training has its
 own op (§5-§6).
+
+`sparse_decode_ffn_block` is the FFN half of a pre-norm block, x + MLP(RMSNorm(x)),
+with the norm's scale folded into w_gate and w_up: the kernels take the residual
+stream itself, scale each row's gate and up products by its norm factor (computed
+after the gate loop), and the block sum adds the residual, so that no XLA kernel runs
+between the attention block's output and the next layer (docs/design.md §11).
 """
 
 from __future__ import annotations
@@ -194,3 +200,60 @@ def sparse_decode_mlp(
         return out
     l0 = jnp.sum(counts, dtype=jnp.float32) / m
     return out, DecodeStats(active_neurons=k, dense_fallback=fallback, l0=l0)
+
+
+def sparse_decode_ffn_block(
+    x: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    *,
+    eps: float,
+    impl: str = "auto",
+    config: DecodeConfig = DecodeConfig(),
+    max_tokens: int = DEFAULT_MAX_TOKENS,
+    return_stats: bool = False,
+):
+    """x + MLP(x / rms(x)) for a few tokens: the FFN half of a pre-norm block.
+
+    Args:
+      x: [..., H] bf16 or fp32, the residual stream (not normed).
+      w_gate, w_up: [N, H], the norm's scale folded into their columns
+        (W * scale[None, :]), x's dtype. w_down: [N, H] (down_proj transposed).
+      eps: the norm's epsilon.
+      impl, config, max_tokens, return_stats: as `sparse_decode_mlp`'s.
+
+    Returns:
+      [..., H] in x's dtype: x + out, out rounded first (the model's rounding points;
+      the normed x is never rounded on the kernel path, its factor scales the fp32
+      products instead), or (that, DecodeStats) when return_stats. A row of x that is
+      not finite gives a NaN row.
+
+    Raises:
+      ValueError: as `sparse_decode_mlp`.
+    """
+    weights = (w_gate, w_up, w_down)
+    _check_inputs(x, weights)
+    if not 1 <= max_tokens <= kernels.MAX_TOKENS:
+        raise ValueError(f"max_tokens={max_tokens}: must be in [1, {kernels.MAX_TOKENS}]")
+    h, n = x.shape[-1], w_gate.shape[0]
+    impl = _resolve_impl(impl, x, h, n, config)
+    x2 = x.reshape(-1, h)
+    m = x2.shape[0]
+    if m == 0 or impl == "xla" or m > max_tokens:
+        normed = reference.rms_normed(x2, eps)
+        kw = dict(impl=impl, config=config, max_tokens=max_tokens, return_stats=True)
+        out, stats = sparse_decode_mlp(normed, *weights, **kw)
+        y = (x2 + out).reshape(x.shape)
+        return (y, stats) if return_stats else y
+    interpret = impl == "interpret"
+    with jax.named_scope("decode_gate_up_down"):
+        shares = kernels.gate_up_down(x2, *weights, config, interpret=interpret, eps=eps)
+    with jax.named_scope("decode_reduce_blocks"):
+        y = kernels.reduce_blocks(shares, config, interpret=interpret, residual=x2)
+    y = y.reshape(x.shape)
+    if not return_stats:
+        return y
+    k = jnp.sum(shares.block_counts, dtype=jnp.int32)
+    l0 = jnp.sum(shares.counts, dtype=jnp.float32) / m
+    return y, DecodeStats(active_neurons=k, dense_fallback=jnp.zeros((), jnp.int32), l0=l0)

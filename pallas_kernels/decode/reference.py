@@ -70,3 +70,10 @@ def gathered_mlp(
 def dense_mlp(x: jax.Array, g: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
     """(g * (x Wu^T)) Wd, [M, H]: `pallas_kernels.reference.gated_mlp` given its gate."""
     return jnp.einsum("mn,nh->mh", g * jnp.einsum("mh,nh->mn", x, w_up), w_down)
+
+
+def rms_normed(x: jax.Array, eps: float) -> jax.Array:
+    """x_r * rsqrt(mean(x_r^2) + eps) per row, in fp32, rounded to x.dtype: an RMSNorm
+    with a scale of ones (`twell_jax.model.RMSNorm`'s rounding)."""
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)

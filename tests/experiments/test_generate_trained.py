@@ -14,9 +14,8 @@ import jax
 import numpy as np
 import pytest
 
-import pallas_kernels
 from experiments import pretrain_run
-from twell_jax import config, corpus, documents, tokenizer, trainer
+from twell_jax import config, corpus, documents, serving, tokenizer, trainer
 from twell_jax import generate as G
 
 STEPS = 80
@@ -55,18 +54,18 @@ def trained(tmp_path_factory):
 
 @pytest.fixture
 def decode_calls(monkeypatch):
-    """Records (active neurons, dense_fallback) of every `sparse_decode_mlp` call that
-    generation runs (one per layer and decode step)."""
+    """Records (active neurons, dense_fallback) of every decode-op call that generation
+    runs (`sparse_decode_ffn_block`, one per layer and decode step)."""
     calls = []
-    op = pallas_kernels.sparse_decode_mlp
+    op = serving.sparse_decode_ffn_block
 
     def recorded(x, w_gate, w_up, w_down, **kw):
-        out, stats = op(x, w_gate, w_up, w_down, **kw)
+        y, stats = op(x, w_gate, w_up, w_down, return_stats=True, **kw)
         record = lambda *v: calls.append(tuple(int(a) for a in v))
         jax.debug.callback(record, stats.active_neurons, stats.dense_fallback)
-        return out, stats
+        return y
 
-    monkeypatch.setattr(pallas_kernels, "sparse_decode_mlp", recorded)
+    monkeypatch.setattr(serving, "sparse_decode_ffn_block", recorded)
     G._compiled.cache_clear()  # trace the generation functions with the recording op
     yield calls
     G._compiled.cache_clear()

@@ -11,7 +11,7 @@ from flax import nnx
 
 import pallas_kernels
 from tests.twell_jax.test_model import forward_fn, init_params, small_model
-from twell_jax import config, ffn, synthetic, train
+from twell_jax import config, ffn, serving, synthetic, train
 from twell_jax import generate as G
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "hf_tiny"
@@ -188,12 +188,13 @@ def test_sparse_prefill_runs_the_twell_kernels(monkeypatch):
 
 def test_auto_decodes_through_the_op_only_in_small_batches(monkeypatch):
     calls = []
+    op = serving.sparse_decode_ffn_block
 
-    def stand_in(x, w):
-        calls.append(x.shape)
-        return ffn.dense(x, w, "gated_relu")
+    def stand_in(x, *weights, eps):
+        calls.append(x.reshape(-1, x.shape[-1]).shape)
+        return op(x, *weights, eps=eps, impl="xla")
 
-    monkeypatch.setattr(ffn, "decode", stand_in)
+    monkeypatch.setattr(serving, "sparse_decode_ffn_block", stand_in)
     cfg = small_model(seq_len=28, ffn_impl="decode")  # a config no other test compiles
     params = init_params(cfg)
     G.generate(cfg, params, PROMPTS, 3, ffn="auto")

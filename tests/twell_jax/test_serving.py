@@ -12,11 +12,25 @@ from twell_jax import serving
 from twell_jax.train import model_graphdef
 
 
+def _with_random_norm_scales(params, seed: int):
+    """params with every norm scale drawn from [0.5, 1.5) (they start at ones), so that
+    the scale folded into the serving weights is tested."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    drawn = [
+        jax.random.uniform(k, a.shape, a.dtype, 0.5, 1.5)
+        if "scale" in [getattr(p, "key", None) for p in path]
+        else a
+        for k, (path, a) in zip(keys, leaves, strict=True)
+    ]
+    return jax.tree_util.tree_unflatten(treedef, drawn)
+
+
 @pytest.fixture(scope="module")
 def gqa():
     """fp32 masters, bf16 compute, 4 query heads on 2 key / value heads."""
     cfg = small_model(n_kv_heads=2, dtype="bfloat16", init_std=0.2)
-    return cfg, init_params(cfg, seed=3)
+    return cfg, _with_random_norm_scales(init_params(cfg, seed=3), 3)
 
 
 def test_layout_stacks_qkv_with_h_last_and_casts_matrices_only(gqa):
@@ -28,12 +42,21 @@ def test_layout_stacks_qkv_with_h_last_and_casts_matrices_only(gqa):
         assert att["wqkv"].shape == ((n + 2 * kv) * d, h) and att["wo"].shape == (h, n * d)
         assert att["wqkv"].dtype == att["wo"].dtype == jnp.bfloat16
         src = params["blocks"]["attn"]
-        # rows: the q heads, then the k heads, then the v heads, each head's D columns
-        want_k = src["wk"][i].astype(jnp.bfloat16).reshape(h, kv * d).T
+        scale = params["blocks"]["attn_norm"]["scale"][i]
+        # rows: the q heads, then the k heads, then the v heads, each head's D columns,
+        # column h times the attention norm's scale[h], rounded once
+        want_k = (src["wk"][i].reshape(h, kv * d) * scale[:, None]).astype(jnp.bfloat16).T
         np.testing.assert_array_equal(att["wqkv"][n * d : (n + kv) * d], want_k)
         want_o = src["wo"][i].astype(jnp.bfloat16).reshape(n * d, h).T
         np.testing.assert_array_equal(att["wo"], want_o)
         block = sp["blocks"][i]
+        ffn_scale = params["blocks"]["ffn_norm"]["scale"][i]
+        for k in ("w_gate", "w_up"):  # the FFN norm's scale folded in, rounded once
+            want = (params["blocks"]["ffn"][k][i] * ffn_scale[None, :]).astype(jnp.bfloat16)
+            np.testing.assert_array_equal(block["ffn"][k], want)
+        np.testing.assert_array_equal(block["ffn_norm"]["scale"], np.ones(h, np.float32))
+        want_down = params["blocks"]["ffn"]["w_down"][i].astype(jnp.bfloat16)
+        np.testing.assert_array_equal(block["ffn"]["w_down"], want_down)
         assert block["ffn"]["w_up"].dtype == jnp.bfloat16
         assert block["attn_norm"]["scale"].dtype == jnp.float32  # vectors stay fp32
         assert all(w.size == 0 for w in block["attn"].values())  # placeholders
@@ -47,7 +70,7 @@ def test_run_layers_is_the_model_forward_in_fp32():
     written at a traced slot 0 (XLA's attention over the whole cache) are both the
     model's body, to fp32 rounding."""
     cfg = small_model(n_kv_heads=2, dtype="float32", init_std=0.2)
-    params = init_params(cfg, seed=4)
+    params = _with_random_norm_scales(init_params(cfg, seed=4), 4)
     tokens = jax.random.randint(jax.random.key(0), (2, 8), 0, cfg.vocab_size)
     want = nnx.merge(model_graphdef(cfg), params).body(tokens)
 
