@@ -112,17 +112,19 @@ def _fit_block_k(cfg: ProjectionConfig, mp: int) -> int:
 def row_factors(x_ref, tile_rows: int, eps: float) -> jax.Array:
     """Inside a kernel: fp32 [tile_rows], rsqrt(mean(x_r^2) + eps) for each row r of
     x_ref [M, H] (M <= tile_rows) and 0 past M. Sums only the M real rows (rounded up
-    to a power of two), in loads of at most _NORM_LOAD elements that issue together."""
+    to a power of two), in loads of at most _NORM_LOAD elements that issue together,
+    their squares added elementwise and reduced across threads once (each reduction
+    is a barrier)."""
     m, h = x_ref.shape
     mr = tr.next_pow2(m)
     cols = min(h, max(16, _NORM_LOAD // mr))
     norm_rows = tr.iota(mr)
-    ss = jnp.zeros((mr,), _F32)
+    squares = jnp.zeros((mr, cols), _F32)
     for start in range(0, h, cols):
         ref = x_ref.at[norm_rows[:, None], (start + tr.iota(cols))[None, :]]
         xs = tr.load(ref, mask=(norm_rows < m)[:, None], other=0).astype(_F32)
-        ss = ss + jnp.sum(xs * xs, axis=1)
-    factor = lax.rsqrt(ss / h + eps)  # [mr]
+        squares = squares + xs * xs
+    factor = lax.rsqrt(jnp.sum(squares, axis=1) / h + eps)  # [mr]
     # onto the tile's rows (Triton has no slicing or padding of a value)
     pick = (tr.iota(tile_rows)[:, None] == norm_rows[None, :]) & (norm_rows < m)[None, :]
     return jnp.sum(jnp.where(pick, factor[None, :], 0.0), axis=1)

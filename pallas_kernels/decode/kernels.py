@@ -16,6 +16,10 @@ decode sizes those round trips, not bytes, set the time; a down kernel that look
 each chunk of active ids from the block counts chained three of them per chunk
 (docs/performance_notes.md, "Decode").
 
+With `eps`, gate_up_down computes the FFN of x / rms(x) (the norm's scale folded into
+W_gate and W_up): each row's factor is taken from x after the gate loop and scales
+the fp32 gate and up products; reduce_blocks can add a residual.
+
 Shapes: x [M, H] bf16 with M <= 64 (padded inside to Mp = max(16, 2^ceil(log2 M))
 rows, the smallest tensor-core tile); weights [N, H] bf16 (w_down is down_proj
 transposed). Products round as `pallas_kernels.reference.gated_mlp`: each GEMM
