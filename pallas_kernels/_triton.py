@@ -36,6 +36,18 @@ def next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+# Shared memory a loop's pipelined bf16 tiles may take (of 227 KB per H100 / H200 SM).
+PIPELINE_SMEM_BYTES = 160 * 1024
+
+
+def fit_columns(columns: int, tile_rows: int, stages: int) -> int:
+    """columns halved (not below 16) until `stages` pipelined bf16 [tile_rows, columns]
+    tiles fit in PIPELINE_SMEM_BYTES."""
+    while columns > 16 and stages * tile_rows * columns * 2 > PIPELINE_SMEM_BYTES:
+        columns //= 2
+    return columns
+
+
 def iota(n: int) -> jax.Array:
     """int32 [n]: 0 .. n - 1 (inside a kernel)."""
     return lax.broadcasted_iota(jnp.int32, (n,), 0)

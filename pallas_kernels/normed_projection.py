@@ -39,6 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _triton as tr
+from pallas_kernels.reference import rms_factor
 
 IMPLS = ("auto", "pallas", "interpret", "xla")
 DTYPES = (jnp.bfloat16, jnp.float32)
@@ -50,8 +51,6 @@ _TILE_ROWS = 16
 _F32 = jnp.float32
 # x elements per load of the sum of squares (a [rows, cols] fp32 value in registers).
 _NORM_LOAD = 4096
-# Shared memory the pipelined x and weight tiles may take (of 227 KB per SM).
-_SMEM_BYTES = 160 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,20 +92,10 @@ def fitted_config(h: int, f: int) -> ProjectionConfig:
 
 def reference(x: jax.Array, w_scaled: jax.Array, eps: float) -> jax.Array:
     """The op in jnp: x [M, H], w_scaled [F, H] -> [M, F] in x's dtype."""
-    x32 = x.astype(_F32)
-    factor = lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     y = lax.dot_general(
         x, w_scaled.astype(x.dtype), (((1,), (1,)), ((), ())), preferred_element_type=_F32
     )
-    return (y * factor).astype(x.dtype)
-
-
-def _fit_block_k(cfg: ProjectionConfig, mp: int) -> int:
-    """block_k halved until the loop's stages of x and weight tiles fit."""
-    bk = cfg.block_k
-    while bk > 16 and cfg.num_stages * (mp + cfg.block_n) * bk * 2 > _SMEM_BYTES:
-        bk //= 2
-    return bk
+    return (y * rms_factor(x, eps)).astype(x.dtype)
 
 
 def row_factors(x_ref, tile_rows: int, eps: float) -> jax.Array:
@@ -155,7 +144,7 @@ def _kernel(x_ref, w_ref, y_ref, *, block_n, block_k, eps):
 def _launch(x, w_scaled, *, eps: float, cfg: ProjectionConfig, interpret: bool):
     m = x.shape[0]
     f = w_scaled.shape[0]
-    block_k = _fit_block_k(cfg, _TILE_ROWS)
+    block_k = tr.fit_columns(cfg.block_k, _TILE_ROWS + cfg.block_n, cfg.num_stages)
     kernel = functools.partial(_kernel, block_n=cfg.block_n, block_k=block_k, eps=eps)
     return tr.pallas_call(
         kernel,

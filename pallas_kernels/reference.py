@@ -12,6 +12,13 @@ import jax
 import jax.numpy as jnp
 
 
+def rms_factor(x: jax.Array, eps: float) -> jax.Array:
+    """fp32 [..., 1]: rsqrt(mean(x^2) + eps) over the last axis, in fp32 (an RMSNorm
+    without its scale is x times this)."""
+    x32 = x.astype(jnp.float32)
+    return jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+
+
 def _proj(x: jax.Array, w: jax.Array) -> jax.Array:
     """x [M, H] @ w[N, H]^T -> [M, N] in x.dtype."""
     return jnp.einsum("mh,nh->mn", x, w)

@@ -24,20 +24,20 @@ Without a streaming callback the decode steps run in one `lax.while_loop` that s
 when every row has produced a stop token; with one, a Python loop calls the jitted
 step and hands each new column of tokens to the callback.
 
-FFN (`ffn`), picked by the tokens per call: "dense" runs the dense XLA FFN
-everywhere; "sparse" runs the prefill (B x P tokens) through the TwELL inference
-kernels (`ffn_impl="twell"`: a gated ReLU FFN, kernel-supported widths; a bf16
-model — with fp32 compute the prefill stays dense) and the decode steps (B tokens)
-through `ffn_impl="decode"` (`pallas_kernels.sparse_decode_mlp`: the gate GEMV, then
-only the batch's active rows of W_up and W_down, docs/design.md §4.5; a non-gated
-model decodes densely). "auto", for a model configured with ffn_impl="twell" or
-"decode", takes the faster path as measured on an H200 (docs/results.md, "Decode and
-generation"): the TwELL prefill from `AUTO_TWELL_PREFILL_TOKENS` prompt tokens up, the
-dense FFN below that; the decode op in the decode steps of batches of up to
-`AUTO_DECODE_OP_MAX_BATCH` prompts (1.28x end to end at batch 1, 1.05x at batch 8),
-the dense FFN in larger ones; for any other model "auto" is "dense" (the
-sparse training kernels have no inference advantage over dense, as in
-`train.make_eval_step`).
+FFN (`ffn`), picked by the tokens per call: "dense" runs the dense XLA FFN everywhere;
+"sparse" runs the prefill (B x P tokens) through the TwELL inference kernels
+(`ffn_impl="twell"`: a gated ReLU FFN, kernel-supported widths; a bf16 model — with
+fp32 compute the prefill stays dense) and the decode steps (B tokens) through
+`ffn_impl="decode"` (`pallas_kernels.sparse_decode_ffn_block`: the FFN norm, the gate
+GEMV, then only the batch's active rows of W_up and W_down, and the residual add,
+docs/design.md §4.5; a non-gated model decodes densely). "auto", for a model
+configured with ffn_impl="twell" or "decode", takes the faster path as measured on an
+H200 (docs/results.md, "Decode and generation"): the TwELL prefill from
+`AUTO_TWELL_PREFILL_TOKENS` prompt tokens up, the dense FFN below that; the decode op
+in the decode steps of batches of up to `AUTO_DECODE_OP_MAX_BATCH` prompts (1.28x end
+to end at batch 1, 1.05x at batch 8), the dense FFN in larger ones; for any other
+model "auto" is "dense" (the sparse training kernels have no inference advantage over
+dense, as in `train.make_eval_step`).
 """
 
 from __future__ import annotations

@@ -102,30 +102,20 @@ def padded_rows(m: int) -> int:
     return max(16, tr.next_pow2(m))
 
 
-# Shared memory the pipelined gate tiles may take (of 227 KB per H100 / H200 SM).
-_SMEM_BYTES = 160 * 1024
-
-
-# ... and, with the down loop's stages of W_down tiles, the whole kernel (the card has
-# 227 KB; the defaults at Mp = 64 come close to it).
+# Shared memory the whole kernel may take: the gate loop's pipelined tiles with the
+# down loop's stages of W_down tiles (the card has 227 KB; the defaults at Mp = 64
+# come close to it).
 _SMEM_TOTAL_BYTES = 220 * 1024
-
-
-def _fit_columns(cfg: DecodeConfig, columns: int, tile_rows: int) -> int:
-    """columns halved until a loop's stages of bf16 [tile_rows, columns] tiles fit."""
-    while columns > 16 and cfg.gate_stages * tile_rows * columns * 2 > _SMEM_BYTES:
-        columns //= 2
-    return columns
 
 
 def _fit_block_k(cfg: DecodeConfig, mp: int) -> int:
     """block_k for the gate loop's x and W_gate tiles."""
-    return _fit_columns(cfg, cfg.block_k, mp + cfg.block_n)
+    return tr.fit_columns(cfg.block_k, mp + cfg.block_n, cfg.gate_stages)
 
 
 def _fit_up_block_k(cfg: DecodeConfig, mp: int) -> int:
     """up_block_k for the up loop's x and W_up tiles."""
-    return _fit_columns(cfg, cfg.up_block_k, mp + cfg.group)
+    return tr.fit_columns(cfg.up_block_k, mp + cfg.group, cfg.gate_stages)
 
 
 def _fit_block_h(cfg: DecodeConfig, mp: int) -> int:
@@ -195,8 +185,9 @@ def _gate_up_down_kernel(x_ref, wg_ref, wu_ref, wd_ref, part_ref, counts_ref, bc
     g32 = lax.fori_loop(0, pieces, gate_step, zeros)
     # The RMSNorm's per-row factor, after the loop (the x tile stays the dot's alone);
     # it commutes with relu (factor > 0) and scales the up products the same way.
-    factor = row_factors(x_ref, mp, eps) if eps is not None else None
-    if factor is not None:
+    factor = None
+    if eps is not None:
+        factor = row_factors(x_ref, mp, eps)
         g32 = g32 * factor[:, None]
 
     # The finite check of x runs outside the gate loop, one piece per program: inside,
@@ -295,9 +286,8 @@ def _fire_by_rows(x_ref, wu_ref, wd_ref, part_ref, g, active, slot, n_active, *,
     g32 = g.astype(_F32)
     x_rows = [tr.load(x_ref.at[r, cols]) for r in range(m)]  # bf16 [H] each
     g_rows = [jnp.sum(jnp.where(rows[:, None] == r, g32, 0), axis=0) for r in range(m)]
-    f_rows = [
-        None if factor is None else jnp.sum(jnp.where(rows == r, factor, 0)) for r in range(m)
-    ]
+    if factor is not None:
+        f_rows = [jnp.sum(jnp.where(rows == r, factor, 0)) for r in range(m)]
 
     def one_group(q, carry, *, first):
         onehot, ok, ids = _group_lanes(q, group, slot, active, n_active, j)
@@ -307,7 +297,7 @@ def _fire_by_rows(x_ref, wu_ref, wd_ref, part_ref, g, active, slot, n_active, *,
         # products convert them per row
         for r in range(m):
             u = jnp.sum(wu.astype(_F32) * x_rows[r].astype(_F32)[None, :], axis=1)  # [group]
-            if f_rows[r] is not None:
+            if factor is not None:
                 u = u * f_rows[r]
             g_ids = jnp.sum(jnp.where(onehot, g_rows[r][None, :], 0), axis=1)  # exact: one term
             hv = (g_ids * u.astype(_BF16).astype(_F32)).astype(_BF16).astype(_F32)

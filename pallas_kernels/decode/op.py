@@ -118,6 +118,14 @@ def _resolve_impl(impl: str, x: jax.Array, h: int, n: int, config: DecodeConfig)
     return impl
 
 
+def _checked_impl(x, weights, impl: str, config: DecodeConfig, max_tokens: int) -> str:
+    """Checks a call's operands and max_tokens; returns the backend that runs."""
+    _check_inputs(x, weights)
+    if not 1 <= max_tokens <= kernels.MAX_TOKENS:
+        raise ValueError(f"max_tokens={max_tokens}: must be in [1, {kernels.MAX_TOKENS}]")
+    return _resolve_impl(impl, x, x.shape[-1], weights[0].shape[0], config)
+
+
 def _kernel_mlp(x2, w_gate, w_up, w_down, config: DecodeConfig, interpret: bool):
     """(out [M, H], counts int32 [N], K int32 [1]) through the two kernels."""
     with jax.named_scope("decode_gate_up_down"):
@@ -171,11 +179,8 @@ def sparse_decode_mlp(
         [1, kernels.MAX_TOKENS].
     """
     weights = (w_gate, w_up, w_down)
-    _check_inputs(x, weights)
-    if not 1 <= max_tokens <= kernels.MAX_TOKENS:
-        raise ValueError(f"max_tokens={max_tokens}: must be in [1, {kernels.MAX_TOKENS}]")
-    lead, h, n = x.shape[:-1], x.shape[-1], w_gate.shape[0]
-    impl = _resolve_impl(impl, x, h, n, config)
+    impl = _checked_impl(x, weights, impl, config, max_tokens)
+    lead, h = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, h)
     m = x2.shape[0]
     zero = jnp.zeros((), jnp.int32)
@@ -233,11 +238,8 @@ def sparse_decode_ffn_block(
       ValueError: as `sparse_decode_mlp`.
     """
     weights = (w_gate, w_up, w_down)
-    _check_inputs(x, weights)
-    if not 1 <= max_tokens <= kernels.MAX_TOKENS:
-        raise ValueError(f"max_tokens={max_tokens}: must be in [1, {kernels.MAX_TOKENS}]")
-    h, n = x.shape[-1], w_gate.shape[0]
-    impl = _resolve_impl(impl, x, h, n, config)
+    impl = _checked_impl(x, weights, impl, config, max_tokens)
+    h = x.shape[-1]
     x2 = x.reshape(-1, h)
     m = x2.shape[0]
     if m == 0 or impl == "xla" or m > max_tokens:

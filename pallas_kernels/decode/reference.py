@@ -75,5 +75,4 @@ def dense_mlp(x: jax.Array, g: jax.Array, w_up: jax.Array, w_down: jax.Array) ->
 def rms_normed(x: jax.Array, eps: float) -> jax.Array:
     """x_r * rsqrt(mean(x_r^2) + eps) per row, in fp32, rounded to x.dtype: an RMSNorm
     with a scale of ones (`twell_jax.model.RMSNorm`'s rounding)."""
-    x32 = x.astype(jnp.float32)
-    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+    return (x.astype(jnp.float32) * reference.rms_factor(x, eps)).astype(x.dtype)
