@@ -185,3 +185,73 @@ def test_stats_count_the_gate_that_ran(impl):
     assert int(stats.active_neurons) == int(fires.any(axis=0).sum()) > 0
     assert int(stats.dense_fallback) == 0
     assert float(stats.l0) == pytest.approx(fires.sum() / x.shape[0])
+
+
+def partial_sumsq(x, parts: int = 4):
+    """fp32 [parts, M]: the sums of squares of x's rows over `parts` column blocks."""
+    x32 = np.asarray(x, np.float32)
+    return jnp.asarray(np.stack([np.sum(c * c, axis=1) for c in np.split(x32, parts, axis=1)]))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_norm_factors_from_partial_sums_of_squares(impl):
+    """Given x's rows' sums of squares in partials (as the output projection hands
+    them over), the kernels read those instead of x: the same block within rounding,
+    and sums four times too large halve every factor, which the kernels' output shows
+    (the jnp path recomputes them from x)."""
+    x, wg, wu, wd, scale = block_case(16, 5, 6.0)
+    x = x.at[1].set(0)
+    y = run(impl, x, wg, wu, wd, scale, sumsq=partial_sumsq(x))
+    assert_block_close(y, x, wg, wu, wd, scale)
+    assert not np.asarray(y[1], np.float32).any()
+    wrong = run(impl, x, wg, wu, wd, scale, sumsq=4 * partial_sumsq(x))
+    same = np.array_equal(np.asarray(wrong, np.float32), np.asarray(y, np.float32))
+    assert same == (impl[0] == "xla")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_non_finite_rows_with_partial_sums(impl):
+    x, wg, wu, wd, scale = block_case(17, 3, 6.0)
+    x = x.at[2, 5].set(jnp.inf)
+    y = np.asarray(run(impl, x, wg, wu, wd, scale, sumsq=partial_sumsq(x)), np.float32)
+    assert np.isnan(y[2]).all() and np.isfinite(y[:2]).all()
+
+
+@pytest.mark.parametrize(
+    "sumsq, message",
+    [
+        (jnp.ones((4, 3), jnp.float32), "M=2"),
+        (jnp.ones((2,), jnp.float32), "float32 \\[P, M\\]"),
+        (jnp.ones((4, 2), jnp.bfloat16), "float32 \\[P, M\\]"),
+    ],
+)
+def test_bad_sumsq_raises(sumsq, message):
+    x = jnp.ones((2, H), jnp.bfloat16)
+    w = jnp.ones((N, H), jnp.bfloat16)
+    with pytest.raises(ValueError, match=message):
+        pk.sparse_decode_ffn_block(x, w, w, w, eps=EPS, sumsq=sumsq)
+
+
+def test_cross_lowers_for_cuda_with_partial_sums():
+    x = jnp.zeros((1, 2048), jnp.bfloat16)
+    w = jnp.zeros((5632, 2048), jnp.bfloat16)
+    ss = jnp.ones((128, 1), jnp.float32)
+    fn = lambda x, w, ss: pk.sparse_decode_ffn_block(
+        x, w, w, w, eps=EPS, impl="pallas", config=DecodeConfig(), sumsq=ss, return_sumsq=True
+    )
+    assert count_triton_calls(fn, x, w, ss) == 2
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_returns_the_sums_of_squares_of_its_output(impl):
+    """y's partial sums of squares (for the next layer's norm) add up to those of y as
+    returned, and come before the stats."""
+    x, wg, wu, wd, scale = block_case(18, 3, 6.0)
+    y, sumsq, stats = run(impl, x, wg, wu, wd, scale, return_sumsq=True, return_stats=True)
+    assert sumsq.dtype == jnp.float32 and sumsq.shape[1] == 3
+    if impl[0] != "xla":
+        assert sumsq.shape[0] == H // impl[1].reduce_h
+    y32 = np.asarray(y, np.float64)
+    np.testing.assert_allclose(np.asarray(sumsq).sum(axis=0), (y32 * y32).sum(axis=1), rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(run(impl, x, wg, wu, wd, scale)))
+    assert int(stats.dense_fallback) == 0
