@@ -14,9 +14,6 @@ Why `twell_jax.serving` uses the layout it does (docs/performance_notes.md,
 the product (as generation ran it before), and `pallas_kernels.normed_projection`
 (norm and product in one kernel, the norm's scale folded into the weight) at its
 default launch and at those of `PROJECTION_LAUNCHES` (up to its MAX_ROWS tokens).
-With the residual add, for W_o as [H, nH D]: XLA's product then add, and
-`normed_projection.residual_projection` (with its sums of squares) at its default
-launch and at those of `RESIDUAL_LAUNCHES`.
 There each layer has its own x
 (with one x, XLA batches the layers' products into fewer, larger GEMMs).
 """
@@ -27,12 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from experiments import bench_util as bu
-from pallas_kernels.normed_projection import (
-    MAX_ROWS,
-    ProjectionConfig,
-    normed_projection,
-    residual_projection,
-)
+from pallas_kernels.normed_projection import MAX_ROWS, ProjectionConfig, normed_projection
 
 LAYERS = 8
 H, HEADS, HEAD_DIM = 2048, 32, 64
@@ -42,11 +34,6 @@ PROJECTION_LAUNCHES = {
     "block_k128_stages6": ProjectionConfig(block_k=128, num_stages=6),
     "block_k512_stages3": ProjectionConfig(block_k=512, num_stages=3),
     "warps8": ProjectionConfig(num_warps=8),
-}
-RESIDUAL_LAUNCHES = {
-    "block_n32": ProjectionConfig(block_n=32),
-    "block_n64": ProjectionConfig(block_n=64),
-    "block_n16_block_k512_stages3": ProjectionConfig(block_n=16, block_k=512, num_stages=3),
 }
 
 
@@ -87,22 +74,10 @@ def _normed_products() -> dict:
     return {"qkv_norm_xla": norm_then_product} | kernels
 
 
-def _residual_products() -> dict:
-    """name -> x + o W_o^T for one layer's o [M, nH D], W_o [H, nH D] and x [M, H]."""
-
-    def kernel(cfg):
-        return lambda o, w, x: residual_projection(o, w, x, config=cfg, return_sumsq=True)
-
-    launches = {"": None} | {f"_{k}": v for k, v in RESIDUAL_LAUNCHES.items()}
-    kernels = {f"o_residual_kernel{name}": kernel(cfg) for name, cfg in launches.items()}
-    return {"o_residual_xla": lambda o, w, x: x + o @ w.T} | kernels
-
-
 def run() -> dict:
     """ "<layout>_m<M>" -> {"busy_us_per_layer", "span_us_per_layer", "kernels"}."""
     res = {}
     wqkv = [_weight((3 * HEADS * HEAD_DIM, H), i) for i in range(LAYERS)]
-    wo = [_weight((H, HEADS * HEAD_DIM), 100 + i) for i in range(LAYERS)]
     for m in TOKENS:
         x = jax.random.normal(jax.random.key(0), (m, H), jnp.bfloat16)
         for name, (ws, product) in _layouts().items():
@@ -116,17 +91,6 @@ def run() -> dict:
                 continue
             fn = jax.jit(lambda xs, ws, f=product: [f(x, w) for x, w in zip(xs, ws, strict=True)])
             rec = res[f"{name}_m{m}"] = bu.per_layer_profile(fn, xs, wqkv, layers=LAYERS)
-            print(m, name, round(rec["busy_us_per_layer"], 2), flush=True)
-        os_ = [
-            jax.random.normal(k, (m, H), jnp.bfloat16) for k in jax.random.split(keys[0], LAYERS)
-        ]
-        for name, product in _residual_products().items():
-            if m > MAX_ROWS and "kernel" in name:
-                continue
-            fn = jax.jit(
-                lambda os_, ws, xs, f=product: [f(*a) for a in zip(os_, ws, xs, strict=True)]
-            )
-            rec = res[f"{name}_m{m}"] = bu.per_layer_profile(fn, os_, wo, xs, layers=LAYERS)
             print(m, name, round(rec["busy_us_per_layer"], 2), flush=True)
     return res
 

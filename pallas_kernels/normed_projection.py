@@ -1,8 +1,6 @@
-"""A few tokens' projections around a decode step's attention, each one GEMV kernel
-(docs/design.md §11).
+"""A few tokens' RMSNorm and projection in one GEMV kernel (docs/design.md §11).
 
-    y = normed_projection(x, w_scaled, eps=1e-5)          # rmsnorm(x) W^T, y [M, F]
-    y, sumsq = residual_projection(o, w_o, x, return_sumsq=True)   # x + o W_o^T
+    y = normed_projection(x, w_scaled, eps=1e-5)   # rmsnorm(x) W^T, y [M, F]
 
 A decode step's attention block starts with the RMSNorm of the residual stream and
 the stacked q / k / v product. In XLA that is three kernels per layer at batch 1: the
@@ -20,24 +18,14 @@ block_n - 1 for every row: a pipelined loop over H (the x tile goes straight int
 tensor-core dot, as in the decode op's gate loop), then the rows' sums of squares
 from x (in L2 by then) and the factor.
 
-`residual_projection` is the attention's output projection with the residual add
-(XLA ran the GEMV and the add as two kernels). Each program also returns the sums of
-squares of its output columns for every row: the next RMSNorm's factor then needs P
-partial sums (`factors_from_sumsq`) instead of a second pass over the row, whose
-loads and reduction sat after the gate loop of the decode op (~1 us of each layer's
-FFN half, docs/performance_notes.md, "Generation").
-
-Rounding: the product sums in fp32 and y is rounded once to x's dtype (with a
-residual: rounded, added in fp32 to the residual, rounded again, as XLA's x + o W^T
-in bf16). The model
+Rounding: the product sums in fp32 and y is rounded once to x's dtype. The model
 rounds the normed x to bf16 before the product, and here the scaled weight is the
 rounded one: the two agree within bf16 rounding, and exactly up to fp32 rounding in
 fp32. A row of x that is not finite gives a NaN row, as the model's norm does.
 
 Backends (`impl`): "pallas" (the kernel; bf16, M <= MAX_ROWS), "interpret" (the same
-kernel in the Pallas interpreter, for CPU tests), "xla" (`reference` /
-`residual_reference`: any dtype and M) and "auto" (pallas on a GPU for bf16 and
-supported shapes, xla otherwise).
+kernel in the Pallas interpreter, for CPU tests), "xla" (`reference`: any dtype and
+M) and "auto" (pallas on a GPU for bf16 and supported shapes, xla otherwise).
 """
 
 from __future__ import annotations
@@ -60,9 +48,6 @@ DTYPES = (jnp.bfloat16, jnp.float32)
 # by 7 us at M = 64 (docs/performance_notes.md, "Generation").
 MAX_ROWS = 8
 _TILE_ROWS = 16
-# residual_projection's output columns per program: W_o has F = H outputs, a third of
-# W_qkv's, so the q / k / v launch's 64 would leave most SMs idle.
-RESIDUAL_BLOCK_N = 16
 _F32 = jnp.float32
 # x elements per load of the sum of squares (a [rows, cols] fp32 value in registers).
 _NORM_LOAD = 4096
@@ -93,10 +78,10 @@ class ProjectionConfig:
         return None
 
 
-def fitted_config(h: int, f: int, block_n: int | None = None) -> ProjectionConfig:
-    """The default launch (with `block_n` where given) with block_k and block_n halved
-    (not below 16) until they divide H and F, so that small models run the kernel too."""
-    cfg = ProjectionConfig() if block_n is None else ProjectionConfig(block_n=block_n)
+def fitted_config(h: int, f: int) -> ProjectionConfig:
+    """The default launch with block_k and block_n halved (not below 16) until they
+    divide H and F, so that small models run the kernel too."""
+    cfg = ProjectionConfig()
     bk, bn = cfg.block_k, cfg.block_n
     while h % bk and bk > 16:
         bk //= 2
@@ -107,25 +92,10 @@ def fitted_config(h: int, f: int, block_n: int | None = None) -> ProjectionConfi
 
 def reference(x: jax.Array, w_scaled: jax.Array, eps: float) -> jax.Array:
     """The op in jnp: x [M, H], w_scaled [F, H] -> [M, F] in x's dtype."""
-    return (_product(x, w_scaled) * rms_factor(x, eps)).astype(x.dtype)
-
-
-def residual_reference(x: jax.Array, w: jax.Array, residual: jax.Array) -> jax.Array:
-    """`residual_projection` in jnp: residual + x w^T, the product rounded to x's dtype
-    first. x [M, K], w [F, K], residual [M, F] -> [M, F]."""
-    return residual + _product(x, w).astype(x.dtype)
-
-
-def _product(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [M, K] w [F, K]^T summed in fp32."""
-    dims = (((1,), (1,)), ((), ()))
-    return lax.dot_general(x, w.astype(x.dtype), dims, preferred_element_type=_F32)
-
-
-def row_sumsq(y: jax.Array) -> jax.Array:
-    """fp32 [1, M]: the sums of squares of y's rows, as one partial (`factors_from_sumsq`)."""
-    y32 = y.astype(_F32)
-    return jnp.sum(y32 * y32, axis=-1)[None, :]
+    y = lax.dot_general(
+        x, w_scaled.astype(x.dtype), (((1,), (1,)), ((), ())), preferred_element_type=_F32
+    )
+    return (y * rms_factor(x, eps)).astype(x.dtype)
 
 
 def row_factors(x_ref, tile_rows: int, eps: float) -> jax.Array:
@@ -143,36 +113,13 @@ def row_factors(x_ref, tile_rows: int, eps: float) -> jax.Array:
         ref = x_ref.at[norm_rows[:, None], (start + tr.iota(cols))[None, :]]
         xs = tr.load(ref, mask=(norm_rows < m)[:, None], other=0).astype(_F32)
         squares = squares + xs * xs
-    return _on_tile_rows(lax.rsqrt(jnp.sum(squares, axis=1) / h + eps), m, tile_rows)
-
-
-def factors_from_sumsq(ss_ref, h: int, tile_rows: int, eps: float) -> jax.Array:
-    """Inside a kernel: `row_factors` of a row set whose sums of squares come as P
-    partials, ss_ref fp32 [P, M] (`residual_projection`'s sumsq): one small load."""
-    p, m = ss_ref.shape
-    parts, norm_rows = tr.iota(tr.next_pow2(p)), tr.iota(tr.next_pow2(m))
-    mask = (parts < p)[:, None] & (norm_rows < m)[None, :]
-    ss = tr.load(ss_ref.at[parts[:, None], norm_rows[None, :]], mask=mask, other=0)
-    return _on_tile_rows(lax.rsqrt(jnp.sum(ss, axis=0) / h + eps), m, tile_rows)
-
-
-def _on_tile_rows(factor: jax.Array, m: int, tile_rows: int) -> jax.Array:
-    """factor [mr] (rows past m ignored) as [tile_rows] with zeros past m (Triton has
-    no slicing or padding of a value)."""
-    norm_rows = tr.iota(factor.shape[0])
+    factor = lax.rsqrt(jnp.sum(squares, axis=1) / h + eps)  # [mr]
+    # onto the tile's rows (Triton has no slicing or padding of a value)
     pick = (tr.iota(tile_rows)[:, None] == norm_rows[None, :]) & (norm_rows < m)[None, :]
     return jnp.sum(jnp.where(pick, factor[None, :], 0.0), axis=1)
 
 
-def _kernel(x_ref, w_ref, *refs, block_n, block_k, eps, residual, sumsq_in, sumsq_out):
-    """Program j: output columns j*block_n + [0, block_n) of every row. refs: the
-    residual [M, F] where `residual`, x's partial sums of squares [P, M] where
-    `sumsq_in`, y [M, F], then y's partial sums of squares [F / block_n, M] where
-    `sumsq_out`."""
-    refs = list(refs)
-    residual_ref = refs.pop(0) if residual else None
-    ss_in_ref = refs.pop(0) if sumsq_in else None
-    y_ref = refs.pop(0)
+def _kernel(x_ref, w_ref, y_ref, *, block_n, block_k, eps):
     m, h = x_ref.shape
     j = tr.program_id(0, w_ref.shape[0] // block_n)
     mp = _TILE_ROWS
@@ -188,88 +135,49 @@ def _kernel(x_ref, w_ref, *refs, block_n, block_k, eps, residual, sumsq_in, sums
     acc = lax.fori_loop(0, h // block_k, step, jnp.zeros((mp, block_n), _F32))
     # The factors after the loop: a use of the x tile inside the loop besides the dot
     # slows the loop (docs/performance_notes.md, "Decode"), and x is in L2 by now.
-    if sumsq_in:
-        acc = acc * factors_from_sumsq(ss_in_ref, h, mp, eps)[:, None]
-    elif eps is not None:
-        acc = acc * row_factors(x_ref, mp, eps)[:, None]
-    y = acc.astype(y_ref.dtype)
+    y = (acc * row_factors(x_ref, mp, eps)[:, None]).astype(y_ref.dtype)
     out_cols = j * block_n + tr.iota(block_n)
-    out = (rows[:, None], out_cols[None, :])
-    if residual:
-        res = tr.load(residual_ref.at[out], mask=row_ok[:, None], other=0)
-        y = (res.astype(_F32) + y.astype(_F32)).astype(y_ref.dtype)
-    tr.store(y_ref.at[out], y, mask=row_ok[:, None])
-    if sumsq_out:
-        y32 = y.astype(_F32)
-        tr.store(refs[0].at[j, rows], jnp.sum(y32 * y32, axis=1), mask=row_ok)
+    tr.store(y_ref.at[rows[:, None], out_cols[None, :]], y, mask=row_ok[:, None])
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "cfg", "interpret", "sumsq_out"))
-def _launch(x, w, residual, sumsq, *, eps, cfg: ProjectionConfig, interpret: bool,
-            sumsq_out: bool):  # fmt: skip
-    """The kernel over x [M, K], w [F, K], the residual [M, F] and x's partial sums of
-    squares [P, M] (each unless None)."""
+@functools.partial(jax.jit, static_argnames=("eps", "cfg", "interpret"))
+def _launch(x, w_scaled, *, eps: float, cfg: ProjectionConfig, interpret: bool):
     m = x.shape[0]
-    f = w.shape[0]
-    nb = f // cfg.block_n
+    f = w_scaled.shape[0]
     block_k = tr.fit_columns(cfg.block_k, _TILE_ROWS + cfg.block_n, cfg.num_stages)
-    kernel = functools.partial(
-        _kernel, block_n=cfg.block_n, block_k=block_k, eps=eps, residual=residual is not None,
-        sumsq_in=sumsq is not None, sumsq_out=sumsq_out,
-    )  # fmt: skip
-    out_shape = [jax.ShapeDtypeStruct((m, f), x.dtype)]
-    if sumsq_out:
-        out_shape.append(jax.ShapeDtypeStruct((nb, m), _F32))
-    inputs = [a for a in (x, w, residual, sumsq) if a is not None]
-    out = tr.pallas_call(
+    kernel = functools.partial(_kernel, block_n=cfg.block_n, block_k=block_k, eps=eps)
+    return tr.pallas_call(
         kernel,
-        out_shape=tuple(out_shape),
-        grid=(nb,),
+        out_shape=jax.ShapeDtypeStruct((m, f), x.dtype),
+        grid=(f // cfg.block_n,),
         compiler_params=tr.compiler_params(cfg.num_warps, cfg.num_stages),
         interpret=interpret,
-        name="normed_projection" if eps is not None else "residual_projection",
-    )(*inputs)
-    return tuple(out) if sumsq_out else out[0]
+        name="normed_projection",
+    )(x, w_scaled)
 
 
-def check_sumsq(sumsq: jax.Array | None, m: int) -> None:
-    """Raises ValueError unless sumsq is None or fp32 [P, M] partial sums of squares."""
-    if sumsq is not None and (sumsq.ndim != 2 or sumsq.shape[1] != m or sumsq.dtype != _F32):
-        raise ValueError(f"sumsq {sumsq.shape} {sumsq.dtype} must be float32 [P, M] with M={m}")
-
-
-def kernel_unsupported(x: jax.Array, w: jax.Array, cfg: ProjectionConfig) -> str | None:
+def kernel_unsupported(x: jax.Array, w_scaled: jax.Array, cfg: ProjectionConfig) -> str | None:
     """Why the kernel cannot take these (valid) operands, or None."""
     if x.dtype != jnp.bfloat16:
         return f"the kernel is bf16 only (x is {x.dtype})"
     if x.shape[0] > MAX_ROWS:
         return f"M={x.shape[0]} rows is more than the kernel's MAX_ROWS={MAX_ROWS}"
-    return cfg.unsupported(x.shape[1], w.shape[0])
+    return cfg.unsupported(x.shape[1], w_scaled.shape[0])
 
 
-def _check(x: jax.Array, w: jax.Array, impl: str, w_name: str) -> None:
+def _check(x: jax.Array, w_scaled: jax.Array, impl: str) -> None:
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}: must be one of {IMPLS}")
-    if x.ndim != 2 or w.ndim != 2:
-        raise ValueError(f"x {x.shape} and {w_name} {w.shape} must be 2-D: [M, H], [F, H]")
+    if x.ndim != 2 or w_scaled.ndim != 2:
+        raise ValueError(f"x {x.shape} and w_scaled {w_scaled.shape} must be 2-D: [M, H], [F, H]")
     if x.shape[0] == 0:
         raise ValueError("x has no rows (M=0)")
-    if w.shape[1] != x.shape[1]:
-        raise ValueError(f"{w_name} {w.shape} must be [F, H] with H={x.shape[1]} as x's")
-    if x.dtype not in DTYPES or w.dtype != x.dtype:
+    if w_scaled.shape[1] != x.shape[1]:
+        raise ValueError(f"w_scaled {w_scaled.shape} must be [F, H] with H={x.shape[1]} as x's")
+    if x.dtype not in DTYPES or w_scaled.dtype != x.dtype:
         raise ValueError(
-            f"x ({x.dtype}) and {w_name} ({w.dtype}) must share one of bfloat16, float32"
+            f"x ({x.dtype}) and w_scaled ({w_scaled.dtype}) must share one of bfloat16, float32"
         )
-
-
-def _kernel_impl(x: jax.Array, w: jax.Array, impl: str, config: ProjectionConfig) -> str:
-    """The backend that runs; raises for a kernel backend the operands do not fit."""
-    if impl == "auto":
-        use = tr.on_gpu() and kernel_unsupported(x, w, config) is None
-        return "pallas" if use else "xla"
-    if impl != "xla" and (why := kernel_unsupported(x, w, config)):
-        raise ValueError(f"impl={impl!r}: {why}")
-    return impl
 
 
 def normed_projection(
@@ -279,63 +187,24 @@ def normed_projection(
     eps: float,
     impl: str = "auto",
     config: ProjectionConfig | None = None,
-    sumsq: jax.Array | None = None,
 ) -> jax.Array:
     """rsqrt(mean(x^2) + eps) * (x w_scaled^T), per row (module docstring).
 
     x: [M, H], the residual stream (not normed); w_scaled: [F, H], the projection
     with the norm's scale folded into its columns, x's dtype; eps: the norm's epsilon;
-    config: the kernel's launch (None: the defaults, blocks halved to divide H and F);
-    sumsq: optional fp32 [P, M] partial sums of squares of x's rows (as the kernel
-    that wrote x returns them), which the kernel reads instead of a pass over x (the
-    xla backend recomputes them).
+    config: the kernel's launch (None: the defaults, blocks halved to divide H and F).
     Returns [M, F] in x's dtype. Raises ValueError for bad shapes, dtypes or impl, and
     for impl "pallas" / "interpret" on operands the kernel cannot take.
     """
-    _check(x, w_scaled, impl, "w_scaled")
-    check_sumsq(sumsq, x.shape[0])
-    config = config or fitted_config(x.shape[1], w_scaled.shape[0])
-    impl = _kernel_impl(x, w_scaled, impl, config)
+    _check(x, w_scaled, impl)
+    if config is None:
+        config = fitted_config(x.shape[1], w_scaled.shape[0])
+    if impl == "auto":
+        use = tr.on_gpu() and kernel_unsupported(x, w_scaled, config) is None
+        impl = "pallas" if use else "xla"
     if impl == "xla":
         return reference(x, w_scaled, eps)
-    interpret = impl == "interpret"
-    return _launch(
-        x, w_scaled, None, sumsq, eps=float(eps), cfg=config, interpret=interpret, sumsq_out=False
-    )
-
-
-def residual_projection(
-    x: jax.Array,
-    w: jax.Array,
-    residual: jax.Array,
-    *,
-    impl: str = "auto",
-    config: ProjectionConfig | None = None,
-    return_sumsq: bool = False,
-):
-    """residual + x w^T, the product rounded first (module docstring).
-
-    x: [M, K], e.g. the attention's output; w: [F, K] (W_o as [H, nH D]), x's dtype;
-    residual: [M, F], x's dtype; config: as `normed_projection`'s.
-    Returns y [M, F] in x's dtype, or (y, sumsq) when return_sumsq: sumsq fp32 [P, M],
-    partial sums of the squares of y's rows over disjoint column blocks (P = 1 on the
-    xla backend), whose sum over P is each row's sum of squares (the next RMSNorm's,
-    `factors_from_sumsq`). Raises ValueError as `normed_projection`, and for a
-    residual that is not [M, F] in x's dtype.
-    """
-    _check(x, w, impl, "w")
-    want = (x.shape[0], w.shape[0])
-    if residual.shape != want or residual.dtype != x.dtype:
-        raise ValueError(
-            f"residual {residual.shape} {residual.dtype} must be [M, F] = {list(want)} in "
-            f"x's dtype {x.dtype}"
-        )
-    config = config or fitted_config(x.shape[1], w.shape[0], block_n=RESIDUAL_BLOCK_N)
-    impl = _kernel_impl(x, w, impl, config)
-    if impl == "xla":
-        y = residual_reference(x, w, residual)
-        return (y, row_sumsq(y)) if return_sumsq else y
-    interpret = impl == "interpret"
-    return _launch(
-        x, w, residual, None, eps=None, cfg=config, interpret=interpret, sumsq_out=return_sumsq
-    )
+    why = kernel_unsupported(x, w_scaled, config)
+    if why:
+        raise ValueError(f"impl={impl!r}: {why}")
+    return _launch(x, w_scaled, eps=float(eps), cfg=config, interpret=impl == "interpret")

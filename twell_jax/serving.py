@@ -33,9 +33,7 @@ points, except the norms: the q, k and v columns of one product instead of three
 each norm's scale rounded into the weights rather than into the normed x (equal within
 bf16 rounding; to fp32 rounding in fp32). A decode step of up to
 `normed_projection.MAX_ROWS` tokens runs that product as one kernel on a GPU in bf16,
-the norm included, and the output projection with the residual add as another
-(`normed_projection.residual_projection`), which also hands the FFN's norm the new
-rows' sums of squares. A one-token step runs
+the norm included. A one-token step runs
 its attention block (RoPE, cache update, softmax over the row's slots) through
 `pallas_kernels.decode_attention`, and a prefill (`slot=None`: S tokens from slot 0)
 through `pallas_kernels.prompt_attention`: one flash-attention kernel per layer on a
@@ -52,13 +50,7 @@ from flax import nnx
 
 from pallas_kernels.decode import sparse_decode_ffn_block
 from pallas_kernels.decode_attention import cached_attention, decode_attention
-from pallas_kernels.normed_projection import (
-    RESIDUAL_BLOCK_N,
-    fitted_config,
-    kernel_unsupported,
-    normed_projection,
-    residual_projection,
-)
+from pallas_kernels.normed_projection import fitted_config, kernel_unsupported, normed_projection
 from pallas_kernels.prompt_attention import prompt_attention
 from twell_jax.config import ModelConfig
 
@@ -115,29 +107,19 @@ def merge_model(graphdef: nnx.GraphDef, params: Params):
     return nnx.merge(graphdef, {**rest, "blocks": stub})
 
 
-def _projection_impl(x2, w, slot, impl: str, block_n: int | None = None) -> str:
-    """The impl of a decode step's projection kernel: XLA's product for a prefill (its
-    B x S rows make a GEMM) or when impl is "xla"; the interpreted kernel where impl
-    is "interpret" and the operands fit it (so that CPU tests run it); "auto" else."""
-    if slot is None or impl == "xla":
-        return "xla"
-    if impl == "interpret":
-        why = kernel_unsupported(x2, w, fitted_config(x2.shape[1], w.shape[0], block_n))
-        return "xla" if why else "interpret"
-    return "auto"
-
-
-def _attention(att: Params, x, sumsq, cos, sin, cache_k, cache_v, slot, pad, cfg: ModelConfig,
-               impl):  # fmt: skip
-    """The attention block's core for the residual stream x [B, S, H] (normed here;
-    sumsq: the partial sums of squares of its rows where the previous kernel gave
-    them, else None): (o [B, S, nH D], cache_k, cache_v), the new keys / values written
-    to slots slot..slot+S-1 (0..S-1 when slot is None: a prefill)."""
+def _attention(att: Params, x, cos, sin, cache_k, cache_v, slot, pad, cfg: ModelConfig, impl):
+    """The attention block's core for the residual stream x [B, S, H] (normed here):
+    (o [B, S, nH D], cache_k, cache_v), the new keys / values written to slots
+    slot..slot+S-1 (0..S-1 when slot is None: a prefill)."""
     b, s, h = x.shape
     x2, w = x.reshape(b * s, h), att["wqkv"].astype(x.dtype)
-    proj_impl = _projection_impl(x2, w, slot, impl)
-    y = normed_projection(x2, w, eps=cfg.norm_eps, impl=proj_impl, sumsq=sumsq)
-    y = y.reshape(b, s, -1)
+    # A prefill's B x S rows make a GEMM: XLA's product. A decode step's rows go
+    # through the kernel where impl and the operands allow it.
+    proj_impl = "xla" if slot is None or impl == "xla" else "auto"
+    if impl == "interpret" and proj_impl == "auto":
+        fits = kernel_unsupported(x2, w, fitted_config(h, w.shape[0])) is None
+        proj_impl = "interpret" if fits else "xla"
+    y = normed_projection(x2, w, eps=cfg.norm_eps, impl=proj_impl).reshape(b, s, -1)
     if slot is None:  # a prefill: the prompt's own slots 0..S-1
         return prompt_attention(y, cos, sin, cache_k, cache_v, pad, n_heads=cfg.n_heads, impl=impl)
     if x.shape[1] > 1:
@@ -146,19 +128,6 @@ def _attention(att: Params, x, sumsq, cos, sin, cache_k, cache_v, slot, pad, cfg
         y[:, 0], cos[:, 0], sin[:, 0], cache_k, cache_v, slot, pad, n_heads=cfg.n_heads, impl=impl
     )
     return o[:, None], cache_k, cache_v
-
-
-def _output_projection(o, wo, x, slot, impl: str):
-    """x + o W_o^T [B, S, H] for o [B, S, nH D] and wo [H, nH D], and the new rows'
-    partial sums of squares (fp32 [P, B S], for the FFN's norm) where the kernel runs
-    it, else None."""
-    b, s, h = x.shape
-    o2, x2, w = o.reshape(b * s, -1), x.reshape(b * s, h), wo.astype(x.dtype)
-    proj_impl = _projection_impl(o2, w, slot, impl, RESIDUAL_BLOCK_N)
-    if proj_impl == "xla":
-        return x + jnp.einsum("bsf,hf->bsh", o, w), None
-    y, sumsq = residual_projection(o2, w, x2, impl=proj_impl, return_sumsq=True)
-    return y.reshape(x.shape), sumsq
 
 
 def run_layers(model, params: Params, x, cos, sin, cache_k, cache_v, slot, pad, *,
@@ -181,23 +150,20 @@ def run_layers(model, params: Params, x, cos, sin, cache_k, cache_v, slot, pad, 
     graphdef = nnx.split(model.blocks)[0]
     off = jnp.zeros((), bool)
     cache_k, cache_v = list(cache_k), list(cache_v)
-    sumsq = None  # the rows' partial sums of squares, where the last kernel gave them
     for i, (block_state, att) in enumerate(
         zip(params["blocks"], params[ATTENTION_KEY], strict=True)
     ):
         block = nnx.merge(graphdef, block_state)
         o, cache_k[i], cache_v[i] = _attention(
-            att, x, sumsq, cos, sin, cache_k[i], cache_v[i], slot, pad, cfg, attention
+            att, x, cos, sin, cache_k[i], cache_v[i], slot, pad, cfg, attention
         )
-        x, sumsq = _output_projection(o, att["wo"], x, slot, attention)
         b, s, h = x.shape
+        wo = att["wo"].astype(x.dtype)
+        x = x + jnp.einsum("bsf,hf->bsh", o, wo)
         if cfg.ffn_impl == "decode":  # norm, MLP and residual add in the decode op
             w = block_state["ffn"]
-            x, sumsq = sparse_decode_ffn_block(
-                x, w["w_gate"], w["w_up"], w["w_down"], eps=cfg.norm_eps, sumsq=sumsq,
-                return_sumsq=True,
-            )  # fmt: skip
+            x = sparse_decode_ffn_block(x, w["w_gate"], w["w_up"], w["w_down"], eps=cfg.norm_eps)
         else:  # the norm's scale is ones: folded into the weights
             out, _ = block.ffn(block.ffn_norm(x).reshape(b * s, h), off)
-            x, sumsq = x + out.reshape(x.shape), None
+            x = x + out.reshape(x.shape)
     return model.final_norm(x), tuple(cache_k), tuple(cache_v)

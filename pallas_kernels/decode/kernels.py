@@ -39,7 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _triton as tr
-from pallas_kernels.normed_projection import factors_from_sumsq, row_factors
+from pallas_kernels.normed_projection import row_factors
 
 _F32 = jnp.float32
 _BF16 = jnp.bfloat16
@@ -158,13 +158,11 @@ def _group_lanes(q, group: int, slot, active, n_active, j):
     return onehot, rank < n_active, ids
 
 
-def _gate_up_down_kernel(x_ref, wg_ref, wu_ref, wd_ref, *refs, mp, block_n, block_k,
-                         up_block_k, group, block_h, row_group, eps, sumsq):  # fmt: skip
-    """Program j: neurons j*block_n + [0, block_n); refs: x's partial sums of squares
-    where `sumsq`, then the outputs, `BlockShares`'. With eps, the products of row r
-    are those of x_r / rms(x_r) (`gate_up_down`)."""
-    ss_ref = refs[0] if sumsq else None
-    part_ref, counts_ref, bcount_ref, bad_ref = refs[1:] if sumsq else refs
+def _gate_up_down_kernel(x_ref, wg_ref, wu_ref, wd_ref, part_ref, counts_ref, bcount_ref,
+                         bad_ref, *, mp, block_n, block_k, up_block_k, group, block_h,
+                         row_group, eps):  # fmt: skip
+    """Program j: neurons j*block_n + [0, block_n); the outputs are `BlockShares`'.
+    With eps, the products of row r are those of x_r / rms(x_r) (`gate_up_down`)."""
     m, h = x_ref.shape
     n = wg_ref.shape[0]
     nb = n // block_n
@@ -188,11 +186,8 @@ def _gate_up_down_kernel(x_ref, wg_ref, wu_ref, wd_ref, *refs, mp, block_n, bloc
     # The RMSNorm's per-row factor, after the loop (the x tile stays the dot's alone);
     # it commutes with relu (factor > 0) and scales the up products the same way.
     factor = None
-    if sumsq:  # P partials from the kernel that wrote x: one small load
-        factor = factors_from_sumsq(ss_ref, h, mp, eps)
-    elif eps is not None:
+    if eps is not None:
         factor = row_factors(x_ref, mp, eps)
-    if factor is not None:
         g32 = g32 * factor[:, None]
 
     # The finite check of x runs outside the gate loop, one piece per program: inside,
@@ -323,12 +318,11 @@ def _row_group(cfg: DecodeConfig, m: int) -> int:
 
 
 def gate_up_down(x, w_gate, w_up, w_down, cfg: DecodeConfig, *, interpret: bool,
-                 eps: float | None = None, sumsq=None) -> BlockShares:  # fmt: skip
+                 eps: float | None = None) -> BlockShares:  # fmt: skip
     """x [M, H] bf16, weights [N, H] bf16 -> `BlockShares`. With eps, of the rows
     x_r * rsqrt(mean(x_r^2) + eps) (an RMSNorm whose scale is folded into w_gate and
     w_up): each row's gate and up products are scaled by its factor in fp32, before
-    they are rounded. sumsq: fp32 [P, M] partial sums of squares of x's rows (with
-    eps; `normed_projection.residual_projection`), read instead of x for the factor."""
+    they are rounded."""
     m, h = x.shape
     n = w_gate.shape[0]
     mp = padded_rows(m)
@@ -338,7 +332,7 @@ def gate_up_down(x, w_gate, w_up, w_down, cfg: DecodeConfig, *, interpret: bool,
     kernel = functools.partial(
         _gate_up_down_kernel, mp=mp, block_n=cfg.block_n, block_k=block_k,
         up_block_k=_fit_up_block_k(cfg, mp), group=cfg.group, block_h=_fit_block_h(cfg, mp),
-        row_group=row_group, eps=eps, sumsq=sumsq is not None,
+        row_group=row_group, eps=eps,
     )  # fmt: skip
     warps = cfg.row_warps if row_group else cfg.gate_warps
     out = tr.pallas_call(
@@ -353,19 +347,17 @@ def gate_up_down(x, w_gate, w_up, w_down, cfg: DecodeConfig, *, interpret: bool,
         compiler_params=tr.compiler_params(warps, cfg.gate_stages),
         interpret=interpret,
         name="decode_gate_up_down",
-    )(x, w_gate, w_up, w_down, *(() if sumsq is None else (sumsq,)))
+    )(x, w_gate, w_up, w_down)
     return BlockShares(*out)
 
 
-def _reduce_kernel(part_ref, bad_ref, *refs, reduce_h, pieces, residual, sumsq):
+def _reduce_kernel(part_ref, bad_ref, *refs, reduce_h, pieces):
     """Program (row r, H block c): the sum over blocks of part[:, r, block c] (zero
     for blocks where nothing fired), NaN where row r of x is not finite; plus the
-    residual's block where `residual`. refs: (residual_ref,) where `residual`, out_ref,
-    then ss_ref [H / reduce_h, M] where `sumsq` (the sum of squares of the block's
-    outputs as stored). part_ref is `BlockShares.part` as [nb, M * H], bad_ref
-    `BlockShares.bad` as [pieces * Mp] (flat, so every index is one array)."""
-    residual_ref = refs[0] if residual else None
-    out_ref = refs[int(residual)]
+    residual's block where refs is (residual_ref, out_ref). part_ref is
+    `BlockShares.part` as [nb, M * H], bad_ref `BlockShares.bad` as [pieces * Mp]
+    (flat, so every index is one array)."""
+    out_ref = refs[-1]
     nb = part_ref.shape[0]
     m, h = out_ref.shape
     mp = bad_ref.shape[0] // pieces
@@ -381,35 +373,23 @@ def _reduce_kernel(part_ref, bad_ref, *refs, reduce_h, pieces, residual, sumsq):
     bad = jnp.max(tr.load(bad_ref.at[p * mp + r], mask=p < pieces, other=0))
     total = jnp.where(bad > 0, jnp.nan, total).astype(out_ref.dtype)
     block = pl.ds(c * reduce_h, reduce_h)
-    if residual:  # the residual add, rounded as x + out in bf16 is
-        total = (residual_ref[r, block].astype(_F32) + total.astype(_F32)).astype(out_ref.dtype)
+    if len(refs) == 2:  # the residual add, rounded as x + out in bf16 is
+        total = (refs[0][r, block].astype(_F32) + total.astype(_F32)).astype(out_ref.dtype)
     out_ref[r, block] = total
-    if sumsq:
-        t32 = total.astype(_F32)
-        refs[-1][c, r] = jnp.sum(t32 * t32)
 
 
 def reduce_blocks(shares: BlockShares, cfg: DecodeConfig, *, interpret: bool,
-                  residual: jax.Array | None = None, sumsq: bool = False):  # fmt: skip
+                  residual: jax.Array | None = None) -> jax.Array:  # fmt: skip
     """out [M, H] bf16: the sum of `shares`' block shares (see `_reduce_kernel`),
-    rounded, plus `residual` [M, H] bf16 where given (rounded again); with sumsq,
-    (out, fp32 [H / reduce_h, M] partial sums of squares of out's rows)."""
+    rounded, plus `residual` [M, H] bf16 where given (rounded again)."""
     nb, m, h = shares.part.shape
     pieces = shares.bad.shape[0]
     extra = () if residual is None else (residual,)
-    out_shape = [jax.ShapeDtypeStruct((m, h), _BF16)]
-    if sumsq:
-        out_shape.append(jax.ShapeDtypeStruct((h // cfg.reduce_h, m), _F32))
-    kernel = functools.partial(
-        _reduce_kernel, reduce_h=cfg.reduce_h, pieces=pieces, residual=residual is not None,
-        sumsq=sumsq,
-    )  # fmt: skip
-    out = tr.pallas_call(
-        kernel,
-        out_shape=tuple(out_shape),
+    return tr.pallas_call(
+        functools.partial(_reduce_kernel, reduce_h=cfg.reduce_h, pieces=pieces),
+        out_shape=jax.ShapeDtypeStruct((m, h), _BF16),
         grid=(m, h // cfg.reduce_h),
         compiler_params=tr.compiler_params(cfg.reduce_warps, 1),
         interpret=interpret,
         name="decode_reduce_blocks",
     )(shares.part.reshape(nb, m * h), shares.bad.reshape(-1), *extra)
-    return tuple(out) if sumsq else out[0]

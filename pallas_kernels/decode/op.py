@@ -53,7 +53,6 @@ import jax.numpy as jnp
 from pallas_kernels import _triton as tr
 from pallas_kernels.decode import kernels, reference
 from pallas_kernels.decode.kernels import DecodeConfig
-from pallas_kernels.normed_projection import check_sumsq, row_sumsq
 
 DTYPES = (jnp.bfloat16, jnp.float32)
 IMPLS = ("auto", "pallas", "interpret", "xla")
@@ -219,8 +218,6 @@ def sparse_decode_ffn_block(
     config: DecodeConfig = DecodeConfig(),
     max_tokens: int = DEFAULT_MAX_TOKENS,
     return_stats: bool = False,
-    sumsq: jax.Array | None = None,
-    return_sumsq: bool = False,
 ):
     """x + MLP(x / rms(x)) for a few tokens: the FFN half of a pre-norm block.
 
@@ -230,52 +227,35 @@ def sparse_decode_ffn_block(
         (W * scale[None, :]), x's dtype. w_down: [N, H] (down_proj transposed).
       eps: the norm's epsilon.
       impl, config, max_tokens, return_stats: as `sparse_decode_mlp`'s.
-      sumsq: optional fp32 [P, M], partial sums of squares of x's M rows whose sum
-        over P is each row's sum of squares (`normed_projection.residual_projection`
-        returns them with the x it writes). The kernels then take the norm factors
-        from them instead of a pass over x; the jnp paths recompute them from x.
-      return_sumsq: also return the output's partial sums of squares, fp32 [P', M]
-        (for the next layer's norm, `normed_projection`'s sumsq).
 
     Returns:
-      y [..., H] in x's dtype: x + out, out rounded first (the model's rounding points;
+      [..., H] in x's dtype: x + out, out rounded first (the model's rounding points;
       the normed x is never rounded on the kernel path, its factor scales the fp32
-      products instead); then y's sumsq when return_sumsq, then a DecodeStats when
-      return_stats (a tuple when either is asked for). A row of x that is not finite
-      gives a NaN row.
+      products instead), or (that, DecodeStats) when return_stats. A row of x that is
+      not finite gives a NaN row.
 
     Raises:
-      ValueError: as `sparse_decode_mlp`, and for a sumsq that is not fp32 [P, M].
+      ValueError: as `sparse_decode_mlp`.
     """
     weights = (w_gate, w_up, w_down)
     impl = _checked_impl(x, weights, impl, config, max_tokens)
     h = x.shape[-1]
     x2 = x.reshape(-1, h)
     m = x2.shape[0]
-    check_sumsq(sumsq, m)
     if m == 0 or impl == "xla" or m > max_tokens:
         normed = reference.rms_normed(x2, eps)
         kw = dict(impl=impl, config=config, max_tokens=max_tokens, return_stats=True)
         out, stats = sparse_decode_mlp(normed, *weights, **kw)
-        y2 = x2 + out
-        y_sumsq = row_sumsq(y2) if return_sumsq else None
-    else:
-        interpret = impl == "interpret"
-        with jax.named_scope("decode_gate_up_down"):
-            shares = kernels.gate_up_down(
-                x2, *weights, config, interpret=interpret, eps=eps, sumsq=sumsq
-            )
-        with jax.named_scope("decode_reduce_blocks"):
-            y2 = kernels.reduce_blocks(
-                shares, config, interpret=interpret, residual=x2, sumsq=return_sumsq
-            )
-        y2, y_sumsq = y2 if return_sumsq else (y2, None)
-        if return_stats:
-            k = jnp.sum(shares.block_counts, dtype=jnp.int32)
-            l0 = jnp.sum(shares.counts, dtype=jnp.float32) / m
-            zero = jnp.zeros((), jnp.int32)
-            stats = DecodeStats(active_neurons=k, dense_fallback=zero, l0=l0)
-    outs = (y2.reshape(x.shape),)
-    outs += (y_sumsq,) if return_sumsq else ()
-    outs += (stats,) if return_stats else ()
-    return outs if len(outs) > 1 else outs[0]
+        y = (x2 + out).reshape(x.shape)
+        return (y, stats) if return_stats else y
+    interpret = impl == "interpret"
+    with jax.named_scope("decode_gate_up_down"):
+        shares = kernels.gate_up_down(x2, *weights, config, interpret=interpret, eps=eps)
+    with jax.named_scope("decode_reduce_blocks"):
+        y = kernels.reduce_blocks(shares, config, interpret=interpret, residual=x2)
+    y = y.reshape(x.shape)
+    if not return_stats:
+        return y
+    k = jnp.sum(shares.block_counts, dtype=jnp.int32)
+    l0 = jnp.sum(shares.counts, dtype=jnp.float32) / m
+    return y, DecodeStats(active_neurons=k, dense_fallback=jnp.zeros((), jnp.int32), l0=l0)

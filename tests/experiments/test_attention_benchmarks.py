@@ -28,11 +28,8 @@ def _run_small(monkeypatch, module, **constants) -> dict:
 def test_attention_layout_benchmark_times_every_layout_and_launch_at_each_m(monkeypatch):
     launches = {"block_n16": bal.ProjectionConfig(block_n=16, block_k=16)}
     small = {"H": 64, "HEADS": 4, "HEAD_DIM": 16, "LAYERS": 2, "TOKENS": (1, 8)}
-    res = _run_small(
-        monkeypatch, bal, **small, PROJECTION_LAUNCHES=launches, RESIDUAL_LAUNCHES=launches
-    )
+    res = _run_small(monkeypatch, bal, **small, PROJECTION_LAUNCHES=launches)
     names = [*bal._layouts(), "qkv_norm_xla", "qkv_norm_kernel", "qkv_norm_kernel_block_n16"]
-    names += ["o_residual_xla", "o_residual_kernel", "o_residual_kernel_block_n16"]
     assert set(res) == {f"{name}_m{m}" for name in names for m in (1, 8)}
 
 

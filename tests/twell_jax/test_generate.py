@@ -190,9 +190,9 @@ def test_auto_decodes_through_the_op_only_in_small_batches(monkeypatch):
     calls = []
     op = serving.sparse_decode_ffn_block
 
-    def stand_in(x, *weights, **kw):
+    def stand_in(x, *weights, eps):
         calls.append(x.reshape(-1, x.shape[-1]).shape)
-        return op(x, *weights, **kw, impl="xla")
+        return op(x, *weights, eps=eps, impl="xla")
 
     monkeypatch.setattr(serving, "sparse_decode_ffn_block", stand_in)
     cfg = small_model(seq_len=28, ffn_impl="decode")  # a config no other test compiles

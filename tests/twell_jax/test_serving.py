@@ -1,14 +1,11 @@
 """The serving layout (twell_jax.serving): shapes, dtypes, and the model's math."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from pallas_kernels.decode import DecodeConfig
 from tests.twell_jax.test_model import init_params, small_model
 from twell_jax import model as M
 from twell_jax import serving
@@ -128,42 +125,6 @@ def test_one_token_step_through_the_attention_kernel_matches_xla(gqa):
     for a, c in zip((want, *want_k, *want_v), (got, *got_k, *got_v), strict=True):
         a, c = np.asarray(a, np.float32), np.asarray(c, np.float32)
         assert np.abs(c - a).max() <= 0.02 * np.abs(a).max()
-
-
-def test_one_token_step_through_every_decode_kernel_matches_xla(monkeypatch):
-    """With the decode op as the FFN (ffn_impl "decode"), a one-token step runs the
-    projection kernels and the decode op's kernels in the interpreter, each norm's
-    factor from the sums of squares the kernel before it handed over (checked: the op
-    receives them), against the same step in XLA, within bf16 rounding."""
-    cfg = small_model(n_kv_heads=2, dtype="bfloat16", init_std=0.2, ffn_impl="decode")
-    params = _with_random_norm_scales(init_params(cfg, seed=5), 5)
-    launch = DecodeConfig(block_n=32, block_k=64, up_block_k=32, block_h=64, reduce_h=32)
-    op, got_sumsq = serving.sparse_decode_ffn_block, []
-
-    def decode_op(x, *weights, impl, **kw):
-        got_sumsq.append(kw["sumsq"] is not None)
-        return op(x, *weights, impl=impl, config=launch, **kw)
-
-    sp, model, tokens, pad, cos, sin, cache = _left_padded_prompt(cfg, params, 8, 12, (0, 3, 7))
-    embed = lambda ids: jnp.take(sp["embed"], ids, axis=0)
-    monkeypatch.setattr(
-        serving, "sparse_decode_ffn_block", functools.partial(decode_op, impl="xla")
-    )
-    _, ck, cv = serving.run_layers(model, sp, embed(tokens), cos, sin, cache, cache, None, pad)
-    slot = jnp.int32(tokens.shape[1])
-    cos1, sin1 = M.rope_angles((slot - pad)[:, None], cfg.head_dim, cfg.rope_theta)
-    outs = {}
-    for impl in ("xla", "interpret"):
-        got_sumsq.clear()
-        patched = functools.partial(decode_op, impl=impl)
-        monkeypatch.setattr(serving, "sparse_decode_ffn_block", patched)
-        step = serving.run_layers(
-            model, sp, embed(tokens[:, -1:]), cos1, sin1, ck, cv, slot, pad, attention=impl
-        )
-        outs[impl] = np.asarray(step[0], np.float32)
-    assert got_sumsq == [True] * cfg.n_layers
-    want, got = outs["xla"], outs["interpret"]
-    assert np.abs(got - want).max() <= 0.02 * np.abs(want).max()
 
 
 def test_prefill_through_the_prompt_kernel_matches_xla(gqa):
