@@ -14,42 +14,46 @@ fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+# Output names end in the card they ran on (h200, h100, ...): timings compare only
+# between runs on the same kind of card.
+CARD=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o -i -E 'h[0-9]+|a[0-9]+|b[0-9]+' | head -1 | tr 'A-Z' 'a-z')
+CARD=${CARD:-gpu}
 status=0
 # A time-boxed pretraining run saves and stops on SIGINT: timeout's 124 or the run's 130.
 stopped_ok() { [ "$1" -eq 0 ] || [ "$1" -eq 124 ] || [ "$1" -eq 130 ]; }
 for what in "${@:-all}"; do
   case "$what" in
-    tests|all) python3 -m pytest -m gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_h200.log" \
+    tests|all) python3 -m pytest -m gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_${CARD}.log" \
                  || status=1 ;;&
-    kernel|all) python3 -m experiments.benchmark --mode=kernel --out="$OUT/kernel_h200.json" \
+    kernel|all) python3 -m experiments.benchmark --mode=kernel --out="$OUT/kernel_${CARD}.json" \
                   || status=1 ;;&
-    train|all) python3 -m experiments.benchmark --mode=train --out="$OUT/train_h200.json" \
+    train|all) python3 -m experiments.benchmark --mode=train --out="$OUT/train_${CARD}.json" \
                  || status=1 ;;&
-    memory|all) python3 -m experiments.check_train_memory 2>&1 | tee "$OUT/train_memory_h200.log" \
+    memory|all) python3 -m experiments.check_train_memory 2>&1 | tee "$OUT/train_memory_${CARD}.log" \
                   || status=1 ;;&
-    model) python3 -m experiments.benchmark --mode=model --reps=15 --model_compressions=2 --out="$OUT/model_h200.json" \
+    model) python3 -m experiments.benchmark --mode=model --reps=15 --model_compressions=2 --out="$OUT/model_${CARD}.json" \
              || status=1 ;;
     train_model) python3 -m experiments.benchmark --mode=train_model --reps=8 \
                    --model_presets="${TRAIN_MODEL_PRESETS:-2b,1.5b}" \
-                   --out="$OUT/train_model_h200.json" || status=1 ;;
+                   --out="$OUT/train_model_${CARD}.json" || status=1 ;;
     energy)  # joules per token of the training step (NVML); TRAIN_MODEL_WORKDIR: also a run's
       python3 -m experiments.benchmark --mode=train_model --reps=8 --energy \
         --model_presets="${TRAIN_MODEL_PRESETS:-2b,1.5b}" \
-        --out="$OUT/train_model_energy_h200.json" || status=1
+        --out="$OUT/train_model_energy_${CARD}.json" || status=1
       if [ -n "${TRAIN_MODEL_WORKDIR:-}" ]; then
         python3 -m experiments.benchmark --mode=train_model --reps=8 --energy \
           --train_model_workdir="$TRAIN_MODEL_WORKDIR" \
-          --out="$OUT/train_model_trained_h200.json" || status=1
+          --out="$OUT/train_model_trained_${CARD}.json" || status=1
       fi ;;
     patterns)  # the training op and the 2B training step on each activation pattern
       for p in uniform skew heavy_rows; do
         sigma=1.0; [ "$p" = heavy_rows ] && sigma=0.35
         python3 -m experiments.benchmark --mode=train --reps=20 --train_nnz=10,29,40 \
-          --pattern="$p" --pattern_sigma="$sigma" --out="$OUT/train_pattern_${p}_h200.json" \
+          --pattern="$p" --pattern_sigma="$sigma" --out="$OUT/train_pattern_${p}_${CARD}.json" \
           || status=1
       done
       python3 -m experiments.benchmark --mode=train_model --reps=8 --model_presets=2b \
-        --model_nnz=31.4 --pattern=skew --out="$OUT/train_model_2b_skew_h200.json" \
+        --model_nnz=31.4 --pattern=skew --out="$OUT/train_model_2b_skew_${CARD}.json" \
         || status=1 ;;
     switch)  # the per-layer switch's rule at the 2B and 125M layer shapes, judged on held-out patterns
       python3 -m experiments.benchmark --mode=switch --model_presets=2b --train_tokens=16384 \
@@ -75,37 +79,37 @@ for what in "${@:-all}"; do
         sigma=0.35; [ "$p" = skew ] && sigma=1.0
         python3 -m experiments.benchmark --mode=kernel --pattern="$p" --pattern_sigma="$sigma" \
           --tokens=4096,16384,65536 --nnz=29 --sweep_nnz= --reps=15 --compression=8 \
-          --out="$OUT/kernel_${p}_c8_tail_gate_rows_h200.json" || status=1
+          --out="$OUT/kernel_${p}_c8_tail_gate_rows_${CARD}.json" || status=1
       done ;;
     decode)  # the FFN at decode sizes on two patterns, then 1.5B generation
       for p in uniform skew; do
         python3 -m experiments.benchmark --mode=decode --decode_tokens=1,8,64 --reps=20 \
-          --pattern="$p" --decode_kernel_trace --out="$OUT/decode_ffn_${p}_h200.json" || status=1
+          --pattern="$p" --decode_kernel_trace --out="$OUT/decode_ffn_${p}_${CARD}.json" || status=1
       done
       python3 -m experiments.benchmark --mode=generate --model_presets=1.5b \
         --generate_batch=1,8,64 --reps=3 --decode_kernel_trace --generate_attention=auto,xla \
-        --out="$OUT/generate_1.5b_h200.json" || status=1
+        --out="$OUT/generate_1.5b_${CARD}.json" || status=1
       python3 -m experiments.benchmark_attention_layout \
-        --out="$OUT/attention_layout_decode_h200.json" || status=1
+        --out="$OUT/attention_layout_decode_${CARD}.json" || status=1
       python3 -m experiments.benchmark_decode_attention \
-        --out="$OUT/decode_attention_kernel_h200.json" || status=1 ;;
+        --out="$OUT/decode_attention_kernel_${CARD}.json" || status=1 ;;
     prefill)  # the 1.5B prefill: attention kernel against XLA's ops, then TwELL against dense by size
       python3 -m experiments.benchmark --mode=generate --model_presets=1.5b \
         --generate_batch=8 --reps=3 --decode_kernel_trace --generate_attention=auto,xla \
-        --out="$OUT/generate_1.5b_b8_prompt_attention_h200.json" || status=1
+        --out="$OUT/generate_1.5b_b8_prompt_attention_${CARD}.json" || status=1
       python3 -m experiments.benchmark --mode=generate --model_presets=1.5b \
         --generate_batch=8,16,32,64 --generate_new=32 --reps=5 \
-        --out="$OUT/generate_1.5b_prefill_b8_b64_no_prefill_command_buffers_h200.json" \
+        --out="$OUT/generate_1.5b_prefill_b8_b64_no_prefill_command_buffers_${CARD}.json" \
         || status=1
       python3 -m experiments.benchmark_prompt_attention \
-        --out="$OUT/prompt_attention_kernel_h200.json" || status=1 ;;
+        --out="$OUT/prompt_attention_kernel_${CARD}.json" || status=1 ;;
     train_memory)  # peak memory of the real 2B step, dense and sparse (residuals saved, then recomputed)
       python3 -m experiments.benchmark_memory --preset=2b --batch=8 --seq=2048 \
-        --ffn_impls=dense,sparse --model_nnz=29 --out="$OUT/train_step_memory_2b_h200.json" \
+        --ffn_impls=dense,sparse --model_nnz=29 --out="$OUT/train_step_memory_2b_${CARD}.json" \
         || status=1
       python3 -m experiments.benchmark_memory --preset=2b --batch=8 --seq=2048 \
         --ffn_impls=sparse --model_nnz=29 --set=sparse_save_residuals=false \
-        --out="$OUT/train_step_memory_2b_sparse_recompute_h200.json" || status=1 ;;
+        --out="$OUT/train_step_memory_2b_sparse_recompute_${CARD}.json" || status=1 ;;
     capacity)  # the largest 2B micro-batch that fits, per FFN, to within CAPACITY_STEP sequences
       # The platform allocator: the BFC pool ran dense out of memory at batch 128, far
       # below the card (docs/results.md, "Training-step memory"). Both fit 224.
@@ -116,7 +120,7 @@ for what in "${@:-all}"; do
         python3 -m experiments.benchmark_memory --preset=2b --batch=224 --calib_batch=64 \
           --seq=2048 --ffn_impls="$ffn" --model_nnz=29 --steps=2 --allocator=platform \
           --search_batch --max_batch=320 --search_step="${CAPACITY_STEP:-4}" ${set_args[@]+"${set_args[@]}"} \
-          --out="$OUT/train_step_capacity_2b_${impl}_h200.json" || status=1
+          --out="$OUT/train_step_capacity_2b_${impl}_${CARD}.json" || status=1
       done ;;
     demo)  # the 1B run and its dense twin (README "A real run"); needs data/stdlib_bpe8k
       mkdir -p "$OUT/1b_demo"
@@ -130,7 +134,7 @@ for what in "${@:-all}"; do
         "$OUT/1b_demo/sparse.jsonl" --plot="$OUT/1b_demo/curves.png" || status=1
       python3 -m experiments.benchmark --mode=train_model --train_model_workdir=runs/1b_demo \
         --reps=8 --energy --train_model_run_switch \
-        --out="$OUT/1b_demo/train_model_1b_demo_run_switch_h200.json" || status=1 ;;
+        --out="$OUT/1b_demo/train_model_1b_demo_run_switch_${CARD}.json" || status=1 ;;
     l1_target)  # 125M runs with the L1 penalty on the FFN weights, at each L1_SWEEP lambda
       for lam in ${L1_SWEEP:-1e-4 1e-3 1e-2}; do
         python3 -m experiments.pretrain --flagfile=experiments/configs/125m.flags \
@@ -139,9 +143,9 @@ for what in "${@:-all}"; do
           > "$OUT/125m_weights_l1_${lam}_log.txt" 2>&1 || status=1
         cp "/tmp/runs/125m_wl1_$lam/metrics.jsonl" "$OUT/125m_weights_l1_${lam}_metrics.jsonl"
       done ;;
-    tune) python3 -m experiments.benchmark --mode=tune --out="$OUT/tune_h200.json" || status=1 ;;
+    tune) python3 -m experiments.benchmark --mode=tune --out="$OUT/tune_${CARD}.json" || status=1 ;;
     train_tune) python3 -m experiments.benchmark --mode=train_tune \
-                  --out="$OUT/train_tune_h200.json" || status=1 ;;
+                  --out="$OUT/train_tune_${CARD}.json" || status=1 ;;
     quality)  # the 125M L1 run and its dense baseline; QUALITY_ARGS adds flags
       for cfg in 125m 125m_dense; do
         # QUALITY_TIMEOUT_S bounds each run: SIGINT makes the loop save and stop cleanly.
@@ -167,7 +171,7 @@ for what in "${@:-all}"; do
         cp "/tmp/runs/125m_l1_$lam/metrics.jsonl" "$OUT/125m_l1_${lam}_metrics.jsonl"
       done
       python3 -m experiments.benchmark --mode=model --model_presets= --reps=20 \
-        --model_workdirs="$(IFS=,; echo "${dirs[*]}")" --out="$OUT/model_trained_125m_h200.json" \
+        --model_workdirs="$(IFS=,; echo "${dirs[*]}")" --out="$OUT/model_trained_125m_${CARD}.json" \
         || status=1 ;;
   esac
 done
