@@ -126,13 +126,24 @@ def _checked_impl(x, weights, impl: str, config: DecodeConfig, max_tokens: int) 
     return _resolve_impl(impl, x, x.shape[-1], weights[0].shape[0], config)
 
 
-def _kernel_mlp(x2, w_gate, w_up, w_down, config: DecodeConfig, interpret: bool):
-    """(out [M, H], counts int32 [N], K int32 [1]) through the two kernels."""
+def _kernel_mlp(x2, w_gate, w_up, w_down, config: DecodeConfig, interpret: bool,
+                eps: float | None = None, residual: jax.Array | None = None):  # fmt: skip
+    """(out [M, H], counts int32 [N], K int32 [1]) through the two kernels; with eps
+    and residual, out is the block's residual + MLP(x / rms(x)) (`kernels`)."""
     with jax.named_scope("decode_gate_up_down"):
-        shares = kernels.gate_up_down(x2, w_gate, w_up, w_down, config, interpret=interpret)
+        shares = kernels.gate_up_down(
+            x2, w_gate, w_up, w_down, config, interpret=interpret, eps=eps
+        )
     with jax.named_scope("decode_reduce_blocks"):
-        out = kernels.reduce_blocks(shares, config, interpret=interpret)
+        out = kernels.reduce_blocks(shares, config, interpret=interpret, residual=residual)
     return out, shares.counts, jnp.sum(shares.block_counts, keepdims=True)
+
+
+def _stats(counts: jax.Array, k: jax.Array, fallback: jax.Array, m: int) -> DecodeStats:
+    """A call's DecodeStats from its per-neuron counts int32 [N], K and fallback
+    (int32 scalars) and its M rows."""
+    l0 = jnp.sum(counts, dtype=jnp.float32) / m
+    return DecodeStats(active_neurons=k, dense_fallback=fallback, l0=l0)
 
 
 def _xla_mlp(x2, w_gate, w_up, w_down):
@@ -201,10 +212,7 @@ def sparse_decode_mlp(
             out, counts, k = _kernel_mlp(x2, *weights, config, impl == "interpret")
         k, fallback = k[0], zero
     out = out.reshape(*lead, h)
-    if not return_stats:
-        return out
-    l0 = jnp.sum(counts, dtype=jnp.float32) / m
-    return out, DecodeStats(active_neurons=k, dense_fallback=fallback, l0=l0)
+    return (out, _stats(counts, k, fallback, m)) if return_stats else out
 
 
 def sparse_decode_ffn_block(
@@ -248,14 +256,6 @@ def sparse_decode_ffn_block(
         out, stats = sparse_decode_mlp(normed, *weights, **kw)
         y = (x2 + out).reshape(x.shape)
         return (y, stats) if return_stats else y
-    interpret = impl == "interpret"
-    with jax.named_scope("decode_gate_up_down"):
-        shares = kernels.gate_up_down(x2, *weights, config, interpret=interpret, eps=eps)
-    with jax.named_scope("decode_reduce_blocks"):
-        y = kernels.reduce_blocks(shares, config, interpret=interpret, residual=x2)
+    y, counts, k = _kernel_mlp(x2, *weights, config, impl == "interpret", eps=eps, residual=x2)
     y = y.reshape(x.shape)
-    if not return_stats:
-        return y
-    k = jnp.sum(shares.block_counts, dtype=jnp.int32)
-    l0 = jnp.sum(shares.counts, dtype=jnp.float32) / m
-    return y, DecodeStats(active_neurons=k, dense_fallback=jnp.zeros((), jnp.int32), l0=l0)
+    return (y, _stats(counts, k[0], jnp.zeros((), jnp.int32), m)) if return_stats else y
