@@ -16,7 +16,8 @@ so one kernel streams w_scaled against the raw x and multiplies each row by its
 factor at the end. Program j computes output columns j*block_n .. j*block_n +
 block_n - 1 for every row: a pipelined loop over H (the x tile goes straight into the
 tensor-core dot, as in the decode op's gate loop), then the rows' sums of squares
-from x (in L2 by then) and the factor.
+from x (in L2 by then; for one or two rows from loads issued before the loop) and the
+factor.
 
 Rounding: the product sums in fp32 and y is rounded once to x's dtype. The model
 rounds the normed x to bf16 before the product, and here the scaled weight is the
@@ -51,6 +52,8 @@ _TILE_ROWS = 16
 _F32 = jnp.float32
 # x elements per load of the sum of squares (a [rows, cols] fp32 value in registers).
 _NORM_LOAD = 4096
+# Elements of x (M * H) up to which the kernel loads them for the norm before its loop.
+_EARLY_NORM_LOAD = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,20 +101,36 @@ def reference(x: jax.Array, w_scaled: jax.Array, eps: float) -> jax.Array:
     return (y * rms_factor(x, eps)).astype(x.dtype)
 
 
-def row_factors(x_ref, tile_rows: int, eps: float) -> jax.Array:
-    """Inside a kernel: fp32 [tile_rows], rsqrt(mean(x_r^2) + eps) for each row r of
-    x_ref [M, H] (M <= tile_rows) and 0 past M. Sums only the M real rows (rounded up
-    to a power of two), in loads of at most _NORM_LOAD elements that issue together,
-    their squares added elementwise and reduced across threads once (each reduction
-    is a barrier)."""
+def _norm_loads(x_ref) -> list[jax.Array]:
+    """row_factors' loads of x_ref [M, H]: its M rows (rounded up to a power of two, 0
+    past M) in pieces of at most _NORM_LOAD elements, x's dtype [Mr, cols] each."""
     m, h = x_ref.shape
     mr = tr.next_pow2(m)
     cols = min(h, max(16, _NORM_LOAD // mr))
     norm_rows = tr.iota(mr)
+    return [
+        tr.load(
+            x_ref.at[norm_rows[:, None], (start + tr.iota(cols))[None, :]],
+            mask=(norm_rows < m)[:, None],
+            other=0,
+        )
+        for start in range(0, h, cols)
+    ]
+
+
+def row_factors(x_ref, tile_rows: int, eps: float, loads: list | None = None) -> jax.Array:
+    """Inside a kernel: fp32 [tile_rows], rsqrt(mean(x_r^2) + eps) for each row r of
+    x_ref [M, H] (M <= tile_rows) and 0 past M. Sums only the M real rows, in loads
+    that issue together (`_norm_loads`; `loads` where the caller issued them earlier),
+    their squares added elementwise and reduced across threads once (each reduction
+    is a barrier)."""
+    m, h = x_ref.shape
+    loads = _norm_loads(x_ref) if loads is None else loads
+    mr, cols = loads[0].shape
+    norm_rows = tr.iota(mr)
     squares = jnp.zeros((mr, cols), _F32)
-    for start in range(0, h, cols):
-        ref = x_ref.at[norm_rows[:, None], (start + tr.iota(cols))[None, :]]
-        xs = tr.load(ref, mask=(norm_rows < m)[:, None], other=0).astype(_F32)
+    for xs in loads:
+        xs = xs.astype(_F32)
         squares = squares + xs * xs
     factor = lax.rsqrt(jnp.sum(squares, axis=1) / h + eps)  # [mr]
     # onto the tile's rows (Triton has no slicing or padding of a value)
@@ -132,10 +151,13 @@ def _kernel(x_ref, w_ref, y_ref, *, block_n, block_k, eps):
         wk = tr.load(w_ref.at[pl.ds(j * block_n, block_n), pl.ds(k * block_k, block_k)])
         return acc + lax.dot_general(xk, wk, (((1,), (1,)), ((), ())), preferred_element_type=_F32)
 
-    acc = lax.fori_loop(0, h // block_k, step, jnp.zeros((mp, block_n), _F32))
     # The factors after the loop: a use of the x tile inside the loop besides the dot
-    # slows the loop (docs/performance_notes.md, "Decode"), and x is in L2 by now.
-    y = (acc * row_factors(x_ref, mp, eps)[:, None]).astype(y_ref.dtype)
+    # slows the loop (docs/performance_notes.md, "Decode"). For a few rows their loads
+    # issue before it and arrive during it, so that nothing after the loop waits on
+    # memory; more rows would hold too many registers through the loop.
+    loads = _norm_loads(x_ref) if m * h <= _EARLY_NORM_LOAD else None
+    acc = lax.fori_loop(0, h // block_k, step, jnp.zeros((mp, block_n), _F32))
+    y = (acc * row_factors(x_ref, mp, eps, loads)[:, None]).astype(y_ref.dtype)
     out_cols = j * block_n + tr.iota(block_n)
     tr.store(y_ref.at[rows[:, None], out_cols[None, :]], y, mask=row_ok[:, None])
 

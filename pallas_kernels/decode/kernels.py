@@ -181,13 +181,20 @@ def _gate_up_down_kernel(x_ref, wg_ref, wu_ref, wd_ref, part_ref, counts_ref, bc
     def gate_step(k, acc):
         return acc + _dot_t(x_piece(k), tr.load(wg_ref.at[neurons, pl.ds(k * block_k, block_k)]))
 
+    # The row products take x's rows whole. With a norm, whose factor needs them too,
+    # their loads issue before the gate loop and arrive during it, so that the factor
+    # does not wait on a load after it (docs/performance_notes.md, "Decode").
+    early = row_group and eps is not None
+    x_rows = [tr.load(x_ref.at[r, tr.iota(h)]) for r in range(m)] if early else None
     zeros = jnp.zeros((mp, block_n), _F32)
     g32 = lax.fori_loop(0, pieces, gate_step, zeros)
     # The RMSNorm's per-row factor, after the loop (the x tile stays the dot's alone);
     # it commutes with relu (factor > 0) and scales the up products the same way.
     factor = None
     if eps is not None:
-        factor = row_factors(x_ref, mp, eps)
+        factor = (
+            row_factors(x_ref, mp, eps) if x_rows is None else _factors_of_rows(x_rows, mp, eps)
+        )
         g32 = g32 * factor[:, None]
 
     # The finite check of x runs outside the gate loop, one piece per program: inside,
@@ -221,8 +228,9 @@ def _gate_up_down_kernel(x_ref, wg_ref, wu_ref, wd_ref, part_ref, counts_ref, bc
 
     if row_group:
         fire = functools.partial(
-            _fire_by_rows, x_ref, wu_ref, wd_ref, part_ref, j=j, group=row_group, factor=factor
-        )
+            _fire_by_rows, x_ref, wu_ref, wd_ref, part_ref, j=j, group=row_group, factor=factor,
+            x_rows=x_rows,
+        )  # fmt: skip
         pl.when(n_active > 0)(lambda: fire(g, active, slot, n_active))
         return
 
@@ -267,8 +275,20 @@ def _gate_up_down_kernel(x_ref, wg_ref, wu_ref, wd_ref, part_ref, counts_ref, bc
         lax.fori_loop(1, pl.cdiv(n_active, group), later, 0)
 
 
+def _factors_of_rows(x_rows, tile_rows: int, eps: float) -> jax.Array:
+    """fp32 [tile_rows]: rsqrt(mean(x_r^2) + eps) of each loaded row x_r (bf16 [H]),
+    0 past the rows."""
+    rows = tr.iota(tile_rows)
+    factor = jnp.zeros((tile_rows,), _F32)
+    for r, x_r in enumerate(x_rows):
+        x32 = x_r.astype(_F32)
+        f_r = lax.rsqrt(jnp.sum(x32 * x32) / x_r.shape[0] + eps)
+        factor = jnp.where(rows == r, f_r, factor)
+    return factor
+
+
 def _fire_by_rows(x_ref, wu_ref, wd_ref, part_ref, g, active, slot, n_active, *, j, group,
-                  factor):  # fmt: skip
+                  factor, x_rows=None):  # fmt: skip
     """The firing phase for small M (`DecodeConfig.row_products_max_m`): per group of
     the block's active neurons, their whole W_up and W_down rows in one gather, then
     for each token row r the up products x_r . Wu[id] and the share sum_id h[r, id]
@@ -280,11 +300,13 @@ def _fire_by_rows(x_ref, wu_ref, wd_ref, part_ref, g, active, slot, n_active, *,
 
     g: bf16 [Mp, block_n] gate of the block; active, slot: int32 [block_n] (1 where a
     lane fires; its rank among the active lanes); n_active: int32 scalar; factor: fp32
-    [Mp] norm factors of the rows (None: no norm)."""
+    [Mp] norm factors of the rows (None: no norm); x_rows: M values bf16 [H], x's
+    rows where the caller loaded them already (None: loaded here)."""
     m, h = x_ref.shape
     rows, cols = tr.iota(g.shape[0]), tr.iota(h)
     g32 = g.astype(_F32)
-    x_rows = [tr.load(x_ref.at[r, cols]) for r in range(m)]  # bf16 [H] each
+    if x_rows is None:
+        x_rows = [tr.load(x_ref.at[r, cols]) for r in range(m)]  # bf16 [H] each
     g_rows = [jnp.sum(jnp.where(rows[:, None] == r, g32, 0), axis=0) for r in range(m)]
     if factor is not None:
         f_rows = [jnp.sum(jnp.where(rows == r, factor, 0)) for r in range(m)]
