@@ -74,6 +74,32 @@ def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
+# The kernel-backed ops' backends: "pallas" (the kernel, bf16), "interpret" (the same
+# kernel in the Pallas interpreter, for CPU tests), "xla" (the op in jnp: any dtype)
+# and "auto" (pallas on a GPU for bf16 and supported shapes, xla otherwise).
+IMPLS = ("auto", "pallas", "interpret", "xla")
+
+
+def resolve_impl(impl: str, dtype, reason: str | None, operand: str) -> str:
+    """The backend that `impl` runs for an op whose operand `operand` has `dtype`:
+    "pallas", "interpret" or "xla". `reason` says why the kernel cannot run the
+    operands' shapes (None: it can).
+
+    Raises:
+      ValueError: an unknown impl, or a kernel impl asked for a dtype other than bf16
+        or a shape the kernel cannot run.
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r}: must be one of {IMPLS}")
+    if impl == "auto":
+        return "pallas" if on_gpu() and dtype == jnp.bfloat16 and reason is None else "xla"
+    if impl != "xla" and dtype != jnp.bfloat16:
+        raise ValueError(f"impl={impl!r} runs bf16 only, got {operand} of dtype {dtype}")
+    if impl != "xla" and reason is not None:
+        raise ValueError(f"impl={impl!r}: {reason}")
+    return impl
+
+
 def resolve_interpret(interpret: bool | None) -> bool:
     """`None` means: compile for the GPU when there is one, else interpret."""
     return (not on_gpu()) if interpret is None else bool(interpret)

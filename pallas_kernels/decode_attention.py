@@ -42,7 +42,6 @@ from jax import lax
 
 from pallas_kernels import _triton as tr
 
-IMPLS = ("auto", "pallas", "interpret", "xla")
 _F32 = jnp.float32
 # Tensor-core dots need at least 16 rows: a key / value head's query heads are padded
 # to this many.
@@ -137,26 +136,6 @@ def attention_mask(query_slots: jax.Array, pad: jax.Array, t: int) -> jax.Array:
     q = query_slots[None, :, None]
     real = (keys >= pad[:, None, None]) | (keys == q)
     return ((keys <= q) & real)[:, None]
-
-
-def resolve_impl(impl: str, dtype, reason: str | None) -> str:
-    """The backend that `impl` runs for operands of `dtype`: "pallas", "interpret" or
-    "xla". "auto" is the kernel on a GPU for bf16 when `reason` (why the kernel cannot
-    run the shape) is None, else xla.
-
-    Raises:
-      ValueError: an unknown impl, or a kernel impl asked for a dtype other than bf16
-        or a shape the kernel cannot run (`reason`).
-    """
-    if impl not in IMPLS:
-        raise ValueError(f"impl={impl!r}: must be one of {IMPLS}")
-    if impl == "auto":
-        return "pallas" if tr.on_gpu() and dtype == jnp.bfloat16 and reason is None else "xla"
-    if impl != "xla" and dtype != jnp.bfloat16:
-        raise ValueError(f"impl={impl!r} runs bf16 only, got qkv of dtype {dtype}")
-    if impl != "xla" and reason is not None:
-        raise ValueError(reason)
-    return impl
 
 
 def rope_and_cache(qkv, cos, sin, cache_k, cache_v, slot, n_heads: int):
@@ -388,7 +367,8 @@ def decode_attention(
     """
     _check_inputs(qkv, cos, sin, cache_k, cache_v, slot, pad, n_heads)
     b, t, kv, d = cache_k.shape
-    impl = resolve_impl(impl, qkv.dtype, config.unsupported(d, n_heads // kv, b * t * kv * d))
+    reason = config.unsupported(d, n_heads // kv, b * t * kv * d)
+    impl = tr.resolve_impl(impl, qkv.dtype, reason, "qkv")
     if impl == "xla":
         o, cache_k, cache_v = cached_attention(
             qkv[:, None], cos[:, None], sin[:, None], cache_k, cache_v, slot, pad, n_heads

@@ -42,7 +42,6 @@ from jax.experimental import pallas as pl
 from pallas_kernels import _triton as tr
 from pallas_kernels.reference import rms_factor
 
-IMPLS = ("auto", "pallas", "interpret", "xla")
 DTYPES = (jnp.bfloat16, jnp.float32)
 # Tokens per call the kernel takes (rows padded to one 16-row tensor-core tile). On an
 # H100 it beats XLA's norm and GEMM by 2.9 us at M = 1 and 0.3 us at M = 8, and loses
@@ -178,18 +177,21 @@ def _launch(x, w_scaled, *, eps: float, cfg: ProjectionConfig, interpret: bool):
     )(x, w_scaled)
 
 
-def kernel_unsupported(x: jax.Array, w_scaled: jax.Array, cfg: ProjectionConfig) -> str | None:
-    """Why the kernel cannot take these (valid) operands, or None."""
-    if x.dtype != jnp.bfloat16:
-        return f"the kernel is bf16 only (x is {x.dtype})"
+def _shape_unsupported(x: jax.Array, w_scaled: jax.Array, cfg: ProjectionConfig) -> str | None:
+    """Why the kernel cannot take operands of these (valid) shapes, or None."""
     if x.shape[0] > MAX_ROWS:
         return f"M={x.shape[0]} rows is more than the kernel's MAX_ROWS={MAX_ROWS}"
     return cfg.unsupported(x.shape[1], w_scaled.shape[0])
 
 
-def _check(x: jax.Array, w_scaled: jax.Array, impl: str) -> None:
-    if impl not in IMPLS:
-        raise ValueError(f"impl={impl!r}: must be one of {IMPLS}")
+def kernel_unsupported(x: jax.Array, w_scaled: jax.Array, cfg: ProjectionConfig) -> str | None:
+    """Why the kernel cannot take these (valid) operands, or None."""
+    if x.dtype != jnp.bfloat16:
+        return f"the kernel is bf16 only (x is {x.dtype})"
+    return _shape_unsupported(x, w_scaled, cfg)
+
+
+def _check(x: jax.Array, w_scaled: jax.Array) -> None:
     if x.ndim != 2 or w_scaled.ndim != 2:
         raise ValueError(f"x {x.shape} and w_scaled {w_scaled.shape} must be 2-D: [M, H], [F, H]")
     if x.shape[0] == 0:
@@ -218,15 +220,11 @@ def normed_projection(
     Returns [M, F] in x's dtype. Raises ValueError for bad shapes, dtypes or impl, and
     for impl "pallas" / "interpret" on operands the kernel cannot take.
     """
-    _check(x, w_scaled, impl)
+    _check(x, w_scaled)
     if config is None:
         config = fitted_config(x.shape[1], w_scaled.shape[0])
-    if impl == "auto":
-        use = tr.on_gpu() and kernel_unsupported(x, w_scaled, config) is None
-        impl = "pallas" if use else "xla"
+    reason = _shape_unsupported(x, w_scaled, config)
+    impl = tr.resolve_impl(impl, x.dtype, reason, "x")
     if impl == "xla":
         return reference(x, w_scaled, eps)
-    why = kernel_unsupported(x, w_scaled, config)
-    if why:
-        raise ValueError(f"impl={impl!r}: {why}")
     return _launch(x, w_scaled, eps=float(eps), cfg=config, interpret=impl == "interpret")

@@ -40,7 +40,6 @@ from pallas_kernels import _triton as tr
 from pallas_kernels.decode_attention import (
     EMPTY_MAX,
     cached_attention,
-    resolve_impl,
     rope_and_cache,
 )
 
@@ -194,7 +193,7 @@ def prompt_attention(
     if jnp.shape(pad) != (b,):
         raise ValueError(f"pad must be an integer [B] = [{b}], got shape {jnp.shape(pad)}")
     reason = config.unsupported(d, max(b * s * n_heads * d, b * t * kv * d))
-    impl = resolve_impl(impl, qkv.dtype, reason)
+    impl = tr.resolve_impl(impl, qkv.dtype, reason, "qkv")
     if impl == "xla":
         return cached_attention(qkv, cos, sin, cache_k, cache_v, 0, pad, n_heads)
     q, k, v, cache_k, cache_v = rope_and_cache(qkv, cos, sin, cache_k, cache_v, 0, n_heads)

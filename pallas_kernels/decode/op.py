@@ -55,7 +55,6 @@ from pallas_kernels.decode import kernels, reference
 from pallas_kernels.decode.kernels import DecodeConfig
 
 DTYPES = (jnp.bfloat16, jnp.float32)
-IMPLS = ("auto", "pallas", "interpret", "xla")
 # Tokens per call above which the dense formula runs. On an H200 at l0 ~ 29 and N = 5632
 # the kernels take 0.56x the dense GPU time at M = 1, 0.64x at M = 2, 0.83x at M = 4
 # and 8, and 2-3x at M = 64, where 12-28% of the neurons fire (docs/results.md,
@@ -102,28 +101,13 @@ def _check_inputs(x: jax.Array, weights: tuple[jax.Array, ...]) -> None:
             raise ValueError(f"{name} must have x's dtype {x.dtype}, got {w.dtype}")
 
 
-def _resolve_impl(impl: str, x: jax.Array, h: int, n: int, config: DecodeConfig) -> str:
-    """The backend that runs; raises for an explicit kernel backend that cannot."""
-    if impl not in IMPLS:
-        raise ValueError(f"impl={impl!r}: must be one of {IMPLS}")
-    reason = decode_supported(h, n, config)
-    if impl == "auto":
-        fits = tr.on_gpu() and x.dtype == jnp.bfloat16 and reason is None
-        return "pallas" if fits else "xla"
-    if impl in ("pallas", "interpret"):
-        if x.dtype != jnp.bfloat16:
-            raise ValueError(f"impl={impl!r} runs bf16 only, got x of dtype {x.dtype}")
-        if reason is not None:
-            raise ValueError(reason)
-    return impl
-
-
 def _checked_impl(x, weights, impl: str, config: DecodeConfig, max_tokens: int) -> str:
     """Checks a call's operands and max_tokens; returns the backend that runs."""
     _check_inputs(x, weights)
     if not 1 <= max_tokens <= kernels.MAX_TOKENS:
         raise ValueError(f"max_tokens={max_tokens}: must be in [1, {kernels.MAX_TOKENS}]")
-    return _resolve_impl(impl, x, x.shape[-1], weights[0].shape[0], config)
+    reason = decode_supported(x.shape[-1], weights[0].shape[0], config)
+    return tr.resolve_impl(impl, x.dtype, reason, "x")
 
 
 def _kernel_mlp(x2, w_gate, w_up, w_down, config: DecodeConfig, interpret: bool,

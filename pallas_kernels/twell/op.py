@@ -42,7 +42,7 @@ from pallas_kernels.twell.config import PackConfig, T2DConfig
 from pallas_kernels.twell.pack import pack_tiles
 from pallas_kernels.twell.t2d import shape_unsupported, t2d
 
-IMPLS = ("auto", "pallas", "interpret", "xla")
+IMPLS = tr.IMPLS
 
 
 class TwellStats(NamedTuple):
