@@ -42,6 +42,7 @@ from jax import lax
 
 from pallas_kernels import _triton as tr
 
+IMPLS = tr.IMPLS
 _F32 = jnp.float32
 # Tensor-core dots need at least 16 rows: a key / value head's query heads are padded
 # to this many.

@@ -51,7 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels._triton import IMPLS as ATTENTION_IMPLS
+from pallas_kernels.decode_attention import IMPLS as ATTENTION_IMPLS
 from twell_jax import lm_loss
 from twell_jax.config import ModelConfig
 from twell_jax.model import check_token_ids, rope_angles
