@@ -3,19 +3,19 @@
 
 The per-neuron SpMM (`csc.spmm_csc`) gives each neuron's token segment to one program,
 so a neuron that fires for thousands of tokens runs a loop thousands of entries long
-while most programs have finished. Trained models have such neurons (one may fire for
-a third of all tokens). Neurons with at least `min_count` ELL entries are taken out of
-the CSC index; their dR, dU and T values are scattered into a dense [M, K, 3] block and
-their rows of dWu = dR^T x, dWg = dU^T x and dWd = T^T gO come from tensor-core GEMMs
-(fp32 accumulation, like the SpMM). K, the block width, is a static capacity picked on
-the device from buckets about 1.5x apart (`lax.switch`), so a call without hot neurons
-pays for no GEMM and one with a few pays for little more than they need. When more
-neurons are hot than the largest capacity holds, the hottest take the dense block and
-the least hot of them stay in the CSC index, so the longest segment left there is
-about the K-th largest count: taking the first ones by id instead left neurons of
-2000-6000 entries in the index on skewed synthetic gates, against ~300 this way
-(docs/performance_notes.md, "Weight-gradient CSC SpMM"). Slower than a block that
-holds them all, still exact.
+while most programs have finished. Trained models have such neurons (one may fire for a
+third of all tokens). Neurons with at least `min_count` ELL entries are taken out of the
+CSC index; their dR and dU values are scattered into a dense [M, K, 2] block and T into
+an [M, K] one, and their rows of dWu = dR^T x, dWg = dU^T x and dWd = T^T gO come from
+tensor-core GEMMs (fp32 accumulation, like the SpMM). K, the block width, is a static
+capacity picked on the device from buckets about 1.5x apart (`lax.switch`), so a call
+without hot neurons pays for no GEMM and one with a few pays for little more than they
+need. When more neurons are hot than the largest capacity holds, the hottest take the
+dense block and the least hot of them stay in the CSC index, so the longest segment left
+there is about the K-th largest count: taking the first ones by id instead left neurons
+of 2000-6000 entries in the index on skewed synthetic gates, against ~300 this way
+(docs/performance_notes.md, "Weight-gradient CSC SpMM"). Slower than a block that holds
+them all, still exact.
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ from pallas_kernels.sparse_train.dense_rows import after, row_blocks
 from pallas_kernels.sparse_train.format import slot_mask
 
 _F32 = jnp.float32
-# Rows per step of the dense block. The block is [rows, K, 3] plus its [rows, 2K] slice
-# for the GEMM (10 KiB per row at K = 1024); over a whole micro-batch of 272 x 2048
-# tokens that is 5.3 GiB, the top of the training step's memory plan once the
-# attention's workspace is bounded (docs/performance_notes.md, "Training-step memory").
-# Calls of up to this many rows run as one block, as before.
+# Rows per step of the dense blocks, [rows, K, 2] and [rows, K]: 6 KiB per row at
+# K = 1024 in bf16, so a whole micro-batch of 272 x 2048 tokens in one step would need
+# 3.2 GiB (10 KiB and 5.3 GiB with the earlier [rows, K, 3] layout and its copies, the
+# top of the training step's memory plan: docs/performance_notes.md, "Training-step
+# memory"). Calls of up to this many rows run as one block.
 BLOCK_ROWS = 32768
 
 
@@ -131,7 +131,7 @@ def hot_weight_grads(
         part = (ell_count, cols, dr_vals, du_vals, t_vals, x, g_out)
         if size < m:
             part = tuple(lax.slice_in_dim(a, start, start + size) for a in part)
-        if rows_x is not None:  # one block's [rows, K, 3] live at a time
+        if rows_x is not None:  # one row block's scatters live at a time
             part = after(part, (rows_x, rows_g))
         block_x, block_g = _block_products(k, plan.index, *part)
         rows_x = block_x if rows_x is None else rows_x + block_x
@@ -146,19 +146,20 @@ def hot_weight_grads(
 
 def _block_products(k, index, ell_count, cols, dr_vals, du_vals, t_vals, x, g_out):
     """One row block's fp32 products: ([2K, H] dR^T x and dU^T x interleaved as row
-    2i + c, [K, H] T^T gO), the block's entries scattered into dense [rows, K, 3]."""
+    2i + c, [K, H] T^T gO), from the block's entries scattered into dense arrays."""
     m, width = cols.shape
     col = jnp.where(slot_mask(ell_count, width), index[cols], k)
     rows = jnp.arange(m, dtype=jnp.int32)[:, None]
-    # One scatter of the three values side by side (a neuron appears at most once per
-    # row, so set is exact): the scatter's index work, not the GEMMs, dominates.
+    # A neuron appears at most once per row, so set is exact. dR and dU go side by side
+    # into one [M, k, 2] array (one scatter, one GEMM of 2k rows: row 2i + c) and T into
+    # its own [M, k]: each GEMM then reads a whole array, where planes of one [M, k, 3]
+    # block were strided and XLA copied them out before its GEMMs.
     dtype = jnp.result_type(dr_vals, du_vals, t_vals)
-    vals = jnp.stack([v.astype(dtype) for v in (dr_vals, du_vals, t_vals)], axis=-1)
-    block = jnp.zeros((m, k, 3), dtype).at[rows, col].set(vals, mode="drop")  # [M, k, 3]
-    # dR and dU against x as one GEMM of 2k rows (interleaved: row 2i + c).
-    dr_du = block[..., :2].reshape(m, 2 * k)
-    rows_x = jnp.einsum("mj,mh->jh", dr_du, x, preferred_element_type=_F32)
-    rows_g = jnp.einsum("mk,mh->kh", block[..., 2], g_out, preferred_element_type=_F32)
+    dr_du = jnp.stack([dr_vals.astype(dtype), du_vals.astype(dtype)], axis=-1)
+    block_x = jnp.zeros((m, k, 2), dtype).at[rows, col].set(dr_du, mode="drop")
+    block_g = jnp.zeros((m, k), dtype).at[rows, col].set(t_vals.astype(dtype), mode="drop")
+    rows_x = jnp.einsum("mj,mh->jh", block_x.reshape(m, 2 * k), x, preferred_element_type=_F32)
+    rows_g = jnp.einsum("mk,mh->kh", block_g, g_out, preferred_element_type=_F32)
     return rows_x, rows_g
 
 
