@@ -34,11 +34,7 @@ def lower_for_cuda(fn, *args) -> str:
     Compiles it too where the CUDA plugin is installed (module docstring)."""
     mesh = _compile_only_h200()
     if mesh is not None:
-        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated) for a in args]
-        with jax.set_mesh(mesh):
-            lowered = jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",))
-            lowered.compile()
+        lowered, _ = _compile_for_h200(mesh, fn, args)
         return lowered.as_text()
     specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
     mesh = AbstractMesh(
@@ -49,6 +45,24 @@ def lower_for_cuda(fn, *args) -> str:
     )
     with use_abstract_mesh(mesh):
         return jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _compile_for_h200(mesh, fn, args):
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated) for a in args]
+    with jax.set_mesh(mesh):
+        lowered = jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",))
+        return lowered, lowered.compile()
+
+
+def compiled_hlo_for_h200(fn, *args) -> str:
+    """XLA's optimized HLO of `jax.jit(fn)` compiled for the compile-only H200: the
+    fusions and copies its plan runs. Needs the CUDA plugin (`_compile_only_h200`)."""
+    mesh = _compile_only_h200()
+    if mesh is None:
+        raise RuntimeError("compiled_hlo_for_h200 needs the jax CUDA plugin")
+    with compile_only.gpu_code_paths():
+        return _compile_for_h200(mesh, fn, args)[1].as_text()
 
 
 def count_triton_calls(fn, *args) -> int:

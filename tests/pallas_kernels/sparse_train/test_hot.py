@@ -3,12 +3,15 @@
 a row with every neuron on) against jax.grad of the dense reference."""
 
 import dataclasses
+import functools
+import re
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from pallas_kernels.sparse_train import SparseTrainConfig, hot
+from tests import lowering
 from tests.pallas_kernels.sparse_train.cases import MODES, SMALL, H, M, N, make_inputs, rel_err
 from tests.pallas_kernels.sparse_train.test_op import _check_against_reference, _grads, _sparse_loss
 
@@ -122,3 +125,16 @@ def test_hot_block_in_row_blocks(monkeypatch, case):
     for name, a, b in zip(("dx", "dWg", "dWu", "dWd"), blocked, whole, strict=True):
         assert rel_err(a, b) < 1e-3, name
     _check_against_reference(inputs, cfg, True)
+
+
+@pytest.mark.skipif(lowering._compile_only_h200() is None, reason="needs the jax CUDA plugin")
+def test_block_products_read_their_arrays_in_place_on_h200():
+    """XLA's H200 plan of the hot block feeds the scattered arrays to the GEMMs as they
+    are: no slice fusion copies planes out first (one [M, K, 3] array took 4 here)."""
+    m, width, n, h, k = 2048, 128, 1024, 256, 64
+    args = [jnp.zeros((n,), jnp.int32), jnp.zeros((m,), jnp.int32)]
+    args += [jnp.zeros((m, width), jnp.int32)] + [jnp.zeros((m, width), jnp.bfloat16)] * 3
+    args += [jnp.zeros((m, h), jnp.bfloat16)] * 2
+    hlo = lowering.compiled_hlo_for_h200(functools.partial(hot._block_products, k), *args)
+    assert "scatter" in hlo
+    assert not re.findall(r"%\S*slice\S* = ", hlo)
