@@ -32,9 +32,8 @@ from pallas_kernels.sparse_train.format import slot_mask
 _F32 = jnp.float32
 # Rows per step of the dense blocks, [rows, K, 2] and [rows, K]: 6 KiB per row at
 # K = 1024 in bf16, so a whole micro-batch of 272 x 2048 tokens in one step would need
-# 3.2 GiB (10 KiB and 5.3 GiB with the earlier [rows, K, 3] layout and its copies, the
-# top of the training step's memory plan: docs/performance_notes.md, "Training-step
-# memory"). Calls of up to this many rows run as one block.
+# 3.2 GiB high in the training step's memory plan (docs/performance_notes.md,
+# "Training-step memory"). Calls of up to this many rows run as one block.
 BLOCK_ROWS = 32768
 
 
@@ -152,8 +151,8 @@ def _block_products(k, index, ell_count, cols, dr_vals, du_vals, t_vals, x, g_ou
     rows = jnp.arange(m, dtype=jnp.int32)[:, None]
     # A neuron appears at most once per row, so set is exact. dR and dU go side by side
     # into one [M, k, 2] array (one scatter, one GEMM of 2k rows: row 2i + c) and T into
-    # its own [M, k]: each GEMM then reads a whole array, where planes of one [M, k, 3]
-    # block were strided and XLA copied them out before its GEMMs.
+    # its own [M, k], so that each GEMM reads a whole array: XLA copies a strided plane
+    # out before a GEMM (docs/performance_notes.md, "Weight-gradient CSC SpMM").
     dtype = jnp.result_type(dr_vals, du_vals, t_vals)
     dr_du = jnp.stack([dr_vals.astype(dtype), du_vals.astype(dtype)], axis=-1)
     block_x = jnp.zeros((m, k, 2), dtype).at[rows, col].set(dr_du, mode="drop")

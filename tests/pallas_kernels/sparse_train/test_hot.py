@@ -130,7 +130,7 @@ def test_hot_block_in_row_blocks(monkeypatch, case):
 @pytest.mark.skipif(lowering._compile_only_h200() is None, reason="needs the jax CUDA plugin")
 def test_block_products_read_their_arrays_in_place_on_h200():
     """XLA's H200 plan of the hot block feeds the scattered arrays to the GEMMs as they
-    are: no slice fusion copies planes out first (one [M, K, 3] array took 4 here)."""
+    are: no slice of them anywhere in the plan (one [M, K, 3] array took 4 here)."""
     m, width, n, h, k = 2048, 128, 1024, 256, 64
     args = [jnp.zeros((n,), jnp.int32), jnp.zeros((m,), jnp.int32)]
     args += [jnp.zeros((m, width), jnp.int32)] + [jnp.zeros((m, width), jnp.bfloat16)] * 3
