@@ -204,7 +204,9 @@ flags.DEFINE_multi_string(
     "train_config", [], "key=value SparseTrainConfig overrides of --mode=train (repeatable)."
 )
 flags.DEFINE_multi_string(
-    "train_config_compare", [], "Overrides timed beside --train_config (--pattern=captured)."
+    "train_config_compare",
+    [],
+    "Overrides whose op is timed beside --train_config's (--mode=train).",
 )
 flags.DEFINE_integer("train_tokens", 16384, "M of --mode=train (per-GPU micro-batch).")
 flags.DEFINE_integer("reps", 30, "Timed calls per measurement (median reported).")
@@ -350,6 +352,9 @@ def main(argv):
             pattern=FLAGS.pattern,
             sigma=FLAGS.pattern_sigma,
             config=_train_config(FLAGS.train_config),
+            compare=_train_config(FLAGS.train_config_compare)
+            if FLAGS.train_config_compare
+            else None,
         )
         _print_records(result["cases"])
     elif FLAGS.mode == "model":

@@ -147,16 +147,20 @@ def _breakdown(
         )
     )
 
+    def plan(col_counts):
+        threshold = hot.hot_threshold(col_counts, config.hot_min_count, config.hot_min_skew)
+        return hot.plan_hot(col_counts, threshold, config.hot_capacities)
+
     def index(c, cols, col_counts, dr, du, t):
-        plan = hot.plan_hot(col_counts, config.hot_min_count, config.hot_capacities)
-        index = fmt.build_csc(c, cols, col_counts, exclude=plan.is_hot())
+        index = fmt.build_csc(c, cols, col_counts, exclude=plan(col_counts).is_hot())
         return index.offsets, index.order, *csc.csc_entries(index, width, dr, du, t)
 
     def hot_grads(c, cols, col_counts, dr, du, t, x, g, dws):
         # dws: the CSC SpMM's outputs, passed in as in the step (zeros made here would
         # time three [N, H] memsets the step does not run).
-        plan = hot.plan_hot(col_counts, config.hot_min_count, config.hot_capacities)
-        return hot.switch_hot_grads(plan, config.hot_capacities, c, cols, dr, du, t, x, g, dws)
+        return hot.switch_hot_grads(
+            plan(col_counts), config.hot_capacities, c, cols, dr, du, t, x, g, dws
+        )
 
     index = jax.jit(index)
     offsets, *entries = index(cnt, ell.cols, ell.col_counts, dr, du, t)
@@ -262,8 +266,14 @@ def _steps(config: SparseTrainConfig) -> dict:
     }
 
 
-def _measure(args, steps: dict, config: SparseTrainConfig, reps: int, breakdown: bool) -> dict:
-    """One record: statistics, gradient errors, memory and medians of `steps` on args."""
+def _measure(
+    args, steps: dict, config: SparseTrainConfig, reps: int, breakdown: bool, steps_b=None
+) -> dict:
+    """One record: statistics, gradient errors, memory and medians of `steps` on args.
+
+    With `steps_b` (`_steps` of another config) its sparse step joins the value_and_grad
+    rotation, and "compare" holds its median time, speedup, hot neurons and its
+    per-round time over the first config's ("sparse_b/sparse")."""
     sparse, dense = steps["sparse"], steps["dense"]
     rec = {"sparse_memory": _memory(sparse, args), "dense_memory": _memory(dense, args)}
     (loss_s, stats), grads_s = sparse(*args)
@@ -289,9 +299,18 @@ def _measure(args, steps: dict, config: SparseTrainConfig, reps: int, breakdown:
     )
     for suffix in ("", "_fwd"):
         fns = {"sparse": steps["sparse" + suffix], "dense": steps["dense" + suffix]}
+        if steps_b is not None and not suffix:
+            fns = {"sparse_b": steps_b["sparse"], **fns}
         t = bu.time_interleaved(fns, *args, warmup=3, reps=reps, inner=5)
         rec[f"sparse{suffix}_ms"] = t["sparse"]["median_ms"]
         rec[f"dense{suffix}_ms"] = t["dense"]["median_ms"]
+        if "sparse_b" in fns:
+            rec["compare"] = {
+                "sparse_ms": t["sparse_b"]["median_ms"],
+                "speedup": t["dense"]["median_ms"] / t["sparse_b"]["median_ms"],
+                "hot_neurons": int(steps_b["sparse"](*args)[0][1]["hot_neurons"]),
+                "sparse_b/sparse": t["ratios"]["sparse_b/sparse"],
+            }
     rec["speedup"] = rec["dense_ms"] / rec["sparse_ms"]
     if breakdown:
         parts = _breakdown(*args, config=config, samples=max(reps // 2, 3))
@@ -312,6 +331,7 @@ def run(
     breakdown: bool = True,
     pattern: str = "uniform",
     sigma: float = 1.0,
+    compare: SparseTrainConfig | None = None,
 ) -> list[dict]:
     """Times sparse vs dense value_and_grad; one JSON-able dict per nnz target.
 
@@ -323,15 +343,17 @@ def run(
         config: SparseTrainConfig (default: the production one, Pallas kernels).
         breakdown: also time each stage separately.
         pattern, sigma: activation pattern of the synthetic gates (`gate_pattern`).
+        compare: another config whose sparse step joins the rotation ("compare").
     """
     config = config or SparseTrainConfig()
     steps = _steps(config)
+    steps_b = _steps(compare) if compare is not None else None
     records = []
     for i, nnz in enumerate(nnz_targets):
         args = synthetic_inputs(i, M, H, N, nnz, heavy_rows, pattern, sigma)
         rec = {"M": M, "H": H, "N": N, "nnz_target": nnz, "heavy_rows": heavy_rows}
         rec.update(pattern=pattern, sigma=sigma)
-        rec.update(_measure(args, steps, config, reps, breakdown))
+        rec.update(_measure(args, steps, config, reps, breakdown, steps_b))
         records.append(rec)
         del args
     return records

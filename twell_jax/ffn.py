@@ -102,13 +102,15 @@ def sparse(x: jax.Array, w: dict[str, jax.Array], ell_width: int) -> tuple[jax.A
     }
 
 
-def _op_limits(x: jax.Array, w: dict[str, jax.Array], ell_width: int) -> tuple[int, int]:
-    """(hot_min_count, largest dense-tail capacity) of the sparse op for x [M, H] and
-    weights [N, H] at ELL width `ell_width` (`resolve_config`), static ints."""
+def _op_limits(
+    x: jax.Array, w: dict[str, jax.Array], ell_width: int
+) -> tuple[pallas_kernels.SparseTrainConfig, int]:
+    """(the sparse op's config resolved for x [M, H] and weights [N, H] at ELL width
+    `ell_width` (`resolve_config`), its largest dense-tail capacity)."""
     (m, h), n = x.shape, w["w_up"].shape[0]
     config = pallas_kernels.SparseTrainConfig(ell_width=ell_width)
     resolved = resolve_config(m, h, n, config)
-    return resolved.hot_min_count, max(resolved.tail_capacities[-1], 1)
+    return resolved, max(resolved.tail_capacities[-1], 1)
 
 
 def tail_load(tail_rows: jax.Array, capacity: int) -> jax.Array:
@@ -146,12 +148,12 @@ def dense_counted(x: jax.Array, w: dict[str, jax.Array], ell_width: int) -> tupl
         x, w["w_gate"], w["w_up"], w["w_down"], DENSE_BRANCH_BLOCK_ROWS, ell_width
     )
     m = x.shape[0]
-    hot_min, capacity = _op_limits(x, w, ell_width)
+    resolved, capacity = _op_limits(x, w, ell_width)
     stats = {
         "l1": l1_sum / m,
         "l0": counts.nnz / m,
         "fired": counts.fired,
-        "hot_share": hot_share(counts.col_counts, hot_min),
+        "hot_share": hot_share(counts.col_counts, resolved),
         "tail_load": tail_load(counts.heavy_rows, capacity),
     }
     return out, {**stats, **{k: jnp.zeros((), jnp.int32) for k in SPARSE_COUNTERS}}

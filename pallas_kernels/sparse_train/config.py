@@ -46,6 +46,11 @@ class SparseTrainConfig:
             dense GEMMs instead of the per-neuron SpMM (`hot`; docs/design.md §6.3);
             None: M / 64, where a GEMM row (2 M H tensor-core FLOPs per product)
             costs about what the SpMM's gathers of that many entries cost.
+        hot_min_skew: the neurons past hot_min_count take the block only when the
+            layer's busy neurons (past hot_min_count or the mean count) average at
+            least this many times the mean entries per neuron (`hot.hot_threshold`;
+            0: always), so that an even pattern whose mean count nears
+            hot_min_count keeps its ordinary neurons in the SpMM.
         hot_capacities: ascending static widths of that dense block, the first 0 (a
             call without hot neurons runs no GEMM); neurons past the largest stay in
             the SpMM.
@@ -68,6 +73,7 @@ class SparseTrainConfig:
     spmm_dx: RowLaunch = RowLaunch(group=2, num_warps=4, block_h=1024)
     spmm_csc: RowLaunch = RowLaunch(group=4, num_warps=2, block_h=512)
     hot_min_count: int | None = None
+    hot_min_skew: float = 2.0
     hot_capacities: tuple[int, ...] = (0, 64, 128, 192, 256, 384, 512, 768, 1024)
 
     def __post_init__(self):
@@ -94,5 +100,7 @@ class SparseTrainConfig:
             raise ValueError(f"hot_capacities must be ascending, starting at 0, got {hot}")
         if self.hot_min_count is not None and self.hot_min_count < 1:
             raise ValueError(f"hot_min_count must be None or >= 1, got {self.hot_min_count}")
+        if not self.hot_min_skew >= 0:
+            raise ValueError(f"hot_min_skew must be >= 0, got {self.hot_min_skew}")
         if self.fallback_block_rows < 1:
             raise ValueError(f"fallback_block_rows must be >= 1, got {self.fallback_block_rows}")

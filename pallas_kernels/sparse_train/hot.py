@@ -4,8 +4,8 @@
 The per-neuron SpMM (`csc.spmm_csc`) gives each neuron's token segment to one program,
 so a neuron that fires for thousands of tokens runs a loop thousands of entries long
 while most programs have finished. Trained models have such neurons (one may fire for a
-third of all tokens). Neurons with at least `min_count` ELL entries are taken out of the
-CSC index; their dR and dU values are scattered into a dense [M, K, 2] block and T into
+third of all tokens). Neurons with at least `hot_threshold` ELL entries are taken out of
+the CSC index; their dR and dU values are scattered into a dense [M, K, 2] block and T into
 an [M, K] one, and their rows of dWu = dR^T x, dWg = dU^T x and dWd = T^T gO come from
 tensor-core GEMMs (fp32 accumulation, like the SpMM). K, the block width, is a static
 capacity picked on the device from buckets about 1.5x apart (`lax.switch`), so a call
@@ -37,6 +37,38 @@ _F32 = jnp.float32
 BLOCK_ROWS = 32768
 
 
+def hot_threshold(col_counts: jax.Array, min_count: int, min_skew: float) -> jax.Array:
+    """int32 scalar: the ELL entries from which a neuron is hot. `min_count` where the
+    layer's busy neurons stand out: those with at least max(min_count, the mean count
+    per neuron) entries average at least `min_skew` times the mean count. Elsewhere
+    no neuron is hot (the int32 maximum).
+
+    The block pays where a few segments are far longer than the rest. Where the mean
+    count nears `min_count` (N = 2048 at l0 >= 23 with M = 16384, say) an even
+    pattern's ordinary neurons pass it at ~1.0-1.5x the mean, and the block then costs
+    more than the balanced SpMM it replaces; a skewed layer's busy neurons average
+    several times the mean (docs/performance_notes.md, "Weight-gradient CSC SpMM").
+    Judging only the neurons past the mean keeps a layer whose floor is far below
+    its mean count (small M) from diluting its hot neurons with ordinary ones.
+
+    Args:
+        col_counts: int32 [N], ELL entries per neuron.
+        min_count: static count floor (>= 1).
+        min_skew: static; 0 keeps `min_count` whatever the counts.
+    """
+    floor = jnp.asarray(min_count, jnp.int32)
+    if min_skew == 0:
+        return floor
+    n = col_counts.shape[0]
+    total = jnp.sum(col_counts, dtype=_F32)
+    busy = col_counts.astype(_F32) >= jnp.maximum(float(min_count), total / n)
+    n_busy = jnp.sum(busy, dtype=_F32)
+    busy_total = jnp.sum(jnp.where(busy, col_counts, 0), dtype=_F32)
+    # mean over the busy >= min_skew * mean over all, without dividing by n_busy = 0
+    stands_out = busy_total * n >= min_skew * total * n_busy
+    return jnp.where(stands_out, floor, jnp.iinfo(jnp.int32).max)
+
+
 class HotPlan(NamedTuple):
     """Which neurons take the dense block.
 
@@ -60,13 +92,16 @@ class HotPlan(NamedTuple):
         return self.index < self.ids.shape[0]
 
 
-def plan_hot(col_counts: jax.Array, min_count: int, capacities: tuple[int, ...]) -> HotPlan:
+def plan_hot(
+    col_counts: jax.Array, min_count: int | jax.Array, capacities: tuple[int, ...]
+) -> HotPlan:
     """Selects the neurons with at least `min_count` entries, the hottest first when
     they number more than max(capacities) (`HotPlan.ids`).
 
     Args:
         col_counts: int32 [N], ELL entries per neuron (`EllRows.col_counts`).
-        min_count: entries from which a neuron is hot (>= 1).
+        min_count: entries from which a neuron is hot (>= 1; an int or an int32
+            scalar such as `hot_threshold`'s).
         capacities: ascending static block widths, the first 0 or more.
     """
     n = col_counts.shape[0]

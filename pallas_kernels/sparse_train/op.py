@@ -13,9 +13,10 @@ backward  Pallas row kernels: T = P R again, dT = gO Wd^T at the entries + (dL/d
           row), then dx = dR Wu + dU Wg (one fp32 accumulator); an XLA
           stable sort builds the neuron-sorted (CSC) index; a Pallas kernel per neuron
           computes dWu = dR^T x, dWg = dU^T x, dWd = T^T gO, except for hot neurons
-          (`hot`: at least `hot_min_count` entries), whose rows come from dense GEMMs
-          over a [M, K] block; the tail rows through `jax.vjp` of the dense formula on
-          their gather (XLA).
+          (`hot`: at least `hot_min_count` entries, in a layer whose busy neurons
+          average `hot_min_skew` times the mean count), whose rows come from dense
+          GEMMs over a [M, K] block; the tail rows through `jax.vjp` of the dense
+          formula on their gather (XLA).
 fallback  when the heavy rows exceed the largest tail capacity, or x or a weight holds
           a NaN or Inf, the whole call (forward and backward) runs the dense formula,
           which propagates non-finite values exactly as the reference does;
@@ -69,13 +70,15 @@ _MIN_BLOCK = 16
 _HOT_TOKENS_PER_ENTRY = 64
 
 
-def hot_share(col_counts: jax.Array, hot_min_count: int) -> jax.Array:
-    """fp32 scalar: the share of all entries that fall in neurons with at least
-    `hot_min_count` of them (col_counts: int32 [N] entries per neuron); 0 without
-    entries. What the per-layer sparse / dense switch reads as a layer's skew."""
-    hot = jnp.where(col_counts >= hot_min_count, col_counts, 0)
+def hot_share(col_counts: jax.Array, config: SparseTrainConfig) -> jax.Array:
+    """fp32 scalar: the share of all entries that fall in the hot neurons of a
+    resolved config (`hot.hot_threshold`; col_counts: int32 [N] entries per neuron);
+    0 without entries. What the per-layer sparse / dense switch reads as a layer's
+    skew."""
+    threshold = hot.hot_threshold(col_counts, config.hot_min_count, config.hot_min_skew)
+    hot_counts = jnp.where(col_counts >= threshold, col_counts, 0)
     total = jnp.maximum(jnp.sum(col_counts, dtype=_F32), 1.0)
-    return jnp.sum(hot, dtype=_F32) / total
+    return jnp.sum(hot_counts, dtype=_F32) / total
 
 
 def resolve_config(m: int, h: int, n: int, config: SparseTrainConfig) -> SparseTrainConfig:
@@ -187,7 +190,7 @@ def _forward(static: _Static, x, wg, wu, wd):
     branches = [functools.partial(tail, cap) for cap in caps] + [dense]
     out, l1_sum = lax.switch(bucket, branches, out)
     cap_used = jnp.asarray((*caps, -1), jnp.int32)[bucket]
-    hot = ell.col_counts >= cfg.hot_min_count
+    threshold = hot.hot_threshold(ell.col_counts, cfg.hot_min_count, cfg.hot_min_skew)
     stats = {
         "l0": jnp.sum(ell.counts).astype(_F32) / m,
         "l1": l1_sum / m,
@@ -195,8 +198,8 @@ def _forward(static: _Static, x, wg, wu, wd):
         "tail_rows": plan.n_rows,
         "tail_capacity": cap_used,
         "dense_fallback": fallback.astype(jnp.int32),
-        "hot_neurons": jnp.sum(hot, dtype=jnp.int32),
-        "hot_share": hot_share(ell.col_counts, cfg.hot_min_count),
+        "hot_neurons": jnp.sum(ell.col_counts >= threshold, dtype=jnp.int32),
+        "hot_share": hot_share(ell.col_counts, cfg),
         "fired": fired,
     }
     res = (x, wg, wu, wd, ell_count, ell.cols, ell.vals, ell.col_counts, r, t, plan.rows)
@@ -235,7 +238,8 @@ def _op_bwd(static, res, cts):
         # Outside the switch: the sort depends only on the forward's pattern, and a switch
         # whose branches hold only kernels, GEMMs and fusions runs as a CUDA-graph
         # conditional (a device-side predicate) instead of a host round trip.
-        plan = hot.plan_hot(col_counts, cfg.hot_min_count, cfg.hot_capacities)
+        threshold = hot.hot_threshold(col_counts, cfg.hot_min_count, cfg.hot_min_skew)
+        plan = hot.plan_hot(col_counts, threshold, cfg.hot_capacities)
         index = fmt.build_csc(ell_count, cols, col_counts, exclude=plan.is_hot())
 
     with jax.named_scope("twell_sddmm_grad"):
@@ -339,7 +343,7 @@ def sparse_gated_mlp_train(
             tail_capacity: int32 scalar, tail bucket capacity used (-1: fallback).
             dense_fallback: int32 scalar, 1 when the call ran densely: the tail was
                 full, or an input held a NaN or Inf.
-            hot_neurons: int32 scalar, neurons with at least `hot_min_count` ELL
+            hot_neurons: int32 scalar, neurons with at least `hot.hot_threshold` ELL
                 entries (their weight gradients run as dense GEMMs).
             hot_share: fp32 scalar, the hot neurons' share of the ELL entries
                 (`hot_share`; 0 without entries).

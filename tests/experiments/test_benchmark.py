@@ -99,10 +99,12 @@ def test_on_cpu_the_kernel_mode_is_refused_and_the_train_mode_prints_its_records
     heavy = run_module("benchmark", "--mode=model", "--pattern=heavy_rows")
     assert "--pattern=heavy_rows is not implemented for --mode=model" in refusal(heavy)
     flags = ["--train_tokens=64", "--d_model=64", "--d_ff=256", "--train_nnz=10", "--reps=2"]
-    train = run_module("benchmark", "--mode=train", *flags)
+    compare = "--train_config_compare=hot_min_skew=0"
+    train = run_module("benchmark", "--mode=train", *flags, compare)
     assert train.returncode == 0, train.stderr[-3000:]
     (rec,) = [json.loads(line) for line in train.stdout.splitlines()]
     assert rec["M"] == 64 and rec["nnz_target"] == 10 and rec["sparse_ms"] > 0
+    assert rec["compare"]["sparse_ms"] > 0 and rec["compare"]["sparse_b/sparse"] > 0
     assert train.stderr.count("CPU timings say nothing about GPU speed") == 1
 
 

@@ -60,12 +60,55 @@ def test_plan_over_capacity_keeps_the_hottest(seed):
     assert int(plan.n_hot) == int(np.sum(counts >= min_count)) and int(plan.bucket) == 2
 
 
+def test_threshold_only_where_the_busy_neurons_stand_out():
+    """min_count holds where the neurons past max(min_count, the mean count) average
+    min_skew x the mean count, else no neuron is hot: an even pattern (counts 6-9)
+    has none whatever the floor; one spike makes every neuron past the floor hot."""
+    never = np.iinfo(np.int32).max
+    even = jnp.asarray([6, 7, 8, 9] * 4, jnp.int32)  # mean 7.5
+    assert int(hot.hot_threshold(even, 6, 0.0)) == 6
+    assert int(hot.hot_threshold(even, 6, 2.0)) == never  # past 7.5: 8s and 9s, 1.1x
+    assert int(hot.hot_threshold(even, 9, 2.0)) == never  # past 9: 1.2x
+    spiked = even.at[5].set(40)  # mean 9.6; past it only the 40: 4.2x the mean
+    assert int(hot.hot_threshold(spiked, 20, 2.0)) == 20
+    assert int(hot.hot_threshold(spiked, 20, 4.5)) == never
+    # A floor below the mean: judged on the 40 alone, not on all 16 (1x the mean).
+    assert int(hot.hot_threshold(spiked, 6, 2.0)) == 6
+    edge = jnp.asarray([0, 0, 0, 4], jnp.int32)  # 4 = 4x the mean of 1
+    assert int(hot.hot_threshold(edge, 4, 4.0)) == 4
+    assert int(hot.hot_threshold(jnp.zeros((8,), jnp.int32), 3, 2.0)) == 3
+    plan = hot.plan_hot(spiked, hot.hot_threshold(spiked, 20, 2.0), (0, 2, 4))
+    np.testing.assert_array_equal(plan.is_hot(), np.arange(16) == 5)
+    assert int(plan.n_hot) == 1 and int(plan.bucket) == 1
+    none = hot.plan_hot(even, hot.hot_threshold(even, 6, 2.0), (0, 2, 4))
+    assert int(none.n_hot) == 0 and int(none.bucket) == 0
+
+
+@pytest.mark.parametrize("l0", [12.0, 24.0])
+def test_uniform_gates_have_no_hot_neurons_and_skewed_ones_keep_theirs(l0):
+    """On the benchmarks' synthetic gates with the mean count near or past the floor
+    M / 64 (the 125M layer's situation at l0 >= 23): the uniform pattern's neurons
+    pass the floor by the hundred but take no block, the skewed one's take it."""
+    from twell_jax.synthetic import synthetic_mlp
+
+    m, h, n = 4096, 128, 512
+    floor = m // 64  # 64; the mean count is 8 l0: 96 or 192
+    for pattern, hot_expected in (("uniform", False), ("skew", True)):
+        x, wg, *_ = synthetic_mlp(m, h, n, l0, seed=1, pattern=pattern)
+        counts = jnp.sum(jnp.einsum("mh,nh->mn", x, wg) > 0, axis=0, dtype=jnp.int32)
+        assert int(jnp.sum(counts >= floor)) > 100, pattern
+        n_hot = int(jnp.sum(counts >= hot.hot_threshold(counts, floor, 2.0)))
+        assert (n_hot > 0) == hot_expected, (pattern, n_hot)
+
+
 @pytest.mark.parametrize("bad", [(4, 16), (0, 16, 4), (0, 4, 4)])
 def test_bad_hot_capacities_raise(bad):
     with pytest.raises(ValueError, match="hot_capacities"):
         SparseTrainConfig(hot_capacities=bad)
     with pytest.raises(ValueError, match="hot_min_count"):
         SparseTrainConfig(hot_min_count=0)
+    with pytest.raises(ValueError, match="hot_min_skew"):
+        SparseTrainConfig(hot_min_skew=-1.0)
 
 
 def _inputs(case):
@@ -105,6 +148,21 @@ def test_hot_block_changes_nothing_but_the_schedule():
     off_cfg = dataclasses.replace(SparseTrainConfig(**HOT), hot_min_count=M + 1)
     off = _check_against_reference(inputs, off_cfg, True)
     assert int(on["hot_neurons"]) == 2 and int(off["hot_neurons"]) == 0
+
+
+@pytest.mark.parametrize("interpret", MODES)
+def test_an_even_layer_keeps_its_neurons_in_the_spmm(interpret):
+    """~12 entries a row spread evenly over the neurons (Poisson counts, mean ~1.9):
+    with a floor of 1 every neuron that fires passes it, at ~1.1x the mean count, so
+    at the default min_skew none is hot; with min_skew 0 they fill the block (4).
+    Exact both ways, the rows past W = 16 in the tail."""
+    inputs = make_inputs(21, M, H, N, 12)
+    floor = dict(HOT, hot_min_count=1)
+    even = _check_against_reference(inputs, SparseTrainConfig(**floor), interpret)
+    always = SparseTrainConfig(**floor, hot_min_skew=0.0)
+    every = _check_against_reference(inputs, always, interpret)
+    assert int(even["hot_neurons"]) == 0 and float(even["hot_share"]) == 0.0
+    assert int(every["hot_neurons"]) > 4 and float(every["hot_share"]) == 1.0
 
 
 @pytest.mark.parametrize("case", ["always_on", "many_hot"])
