@@ -76,6 +76,11 @@ def hot_share(col_counts: jax.Array, config: SparseTrainConfig) -> jax.Array:
     0 without entries. What the per-layer sparse / dense switch reads as a layer's
     skew."""
     threshold = hot.hot_threshold(col_counts, config.hot_min_count, config.hot_min_skew)
+    return _share_past(col_counts, threshold)
+
+
+def _share_past(col_counts: jax.Array, threshold: jax.Array) -> jax.Array:
+    """fp32 scalar: the share of all entries in neurons with at least `threshold`."""
     hot_counts = jnp.where(col_counts >= threshold, col_counts, 0)
     total = jnp.maximum(jnp.sum(col_counts, dtype=_F32), 1.0)
     return jnp.sum(hot_counts, dtype=_F32) / total
@@ -199,7 +204,7 @@ def _forward(static: _Static, x, wg, wu, wd):
         "tail_capacity": cap_used,
         "dense_fallback": fallback.astype(jnp.int32),
         "hot_neurons": jnp.sum(ell.col_counts >= threshold, dtype=jnp.int32),
-        "hot_share": hot_share(ell.col_counts, cfg),
+        "hot_share": _share_past(ell.col_counts, threshold),
         "fired": fired,
     }
     res = (x, wg, wu, wd, ell_count, ell.cols, ell.vals, ell.col_counts, r, t, plan.rows)
