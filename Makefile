@@ -23,13 +23,16 @@ lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-# CPU suite (what CI runs): lint, then every test not marked gpu (the slow CLI runs too).
+# CPU suite (what CI runs): lint, then every test not marked gpu (the slow CLI runs too),
+# in two worker processes (pytest-xdist): XLA's CPU compiles leave the second core idle.
+TEST_WORKERS := -n 2 --dist worksteal
+
 test: lint
-	$(PYTHON) -m pytest -m "not gpu" -q
+	$(PYTHON) -m pytest -m "not gpu" -q $(TEST_WORKERS)
 
 # The CPU suite without the subprocess / CLI runs marked slow.
 test-fast: venv
-	$(PYTHON) -m pytest -m "not gpu and not slow" -q
+	$(PYTHON) -m pytest -m "not gpu and not slow" -q $(TEST_WORKERS)
 
 # On a GPU machine: the same numeric tests with interpret=False.
 gpu-test: venv
