@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the GPU test suite, then the benchmarks.
-#   bash experiments/gpu_check.sh [tests|kernel|train|model|train_model|energy|patterns|switch|captured|decode|train_memory|capacity|demo|l1_target|tune|train_tune|memory|quality|l1sweep|heavy|prefill|all]...
+#   bash experiments/gpu_check.sh [tests|tests_train|tests_other|kernel|train|model|train_model|energy|patterns|switch|captured|decode|train_memory|capacity|demo|l1_target|tune|train_tune|memory|quality|l1sweep|heavy|prefill|all]...
 # Results (JSON and logs) go to $OUT when set, else results/ (README.md, "Reproduce").
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -25,6 +25,11 @@ for what in "${@:-all}"; do
   case "$what" in
     tests|all) python3 -m pytest -m gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_${CARD}.log" \
                  || status=1 ;;&
+    # The suite in two halves (~3 and ~6 minutes on an H200) where one run must stay short.
+    tests_train) python3 -m pytest -m gpu -q -p no:cacheprovider tests/pallas_kernels/sparse_train \
+                   2>&1 | tee "$OUT/gpu_tests_sparse_train_${CARD}.log" || status=1 ;;
+    tests_other) python3 -m pytest -m gpu -q -p no:cacheprovider --ignore=tests/pallas_kernels/sparse_train \
+                   2>&1 | tee "$OUT/gpu_tests_other_${CARD}.log" || status=1 ;;
     kernel|all) python3 -m experiments.benchmark --mode=kernel --out="$OUT/kernel_${CARD}.json" \
                   || status=1 ;;&
     train|all) python3 -m experiments.benchmark --mode=train --out="$OUT/train_${CARD}.json" \
