@@ -147,20 +147,16 @@ def _breakdown(
         )
     )
 
-    def plan(col_counts):
-        threshold = hot.hot_threshold(col_counts, config.hot_min_count, config.hot_min_skew)
-        return hot.plan_hot(col_counts, threshold, config.hot_capacities)
-
     def index(c, cols, col_counts, dr, du, t):
-        index = fmt.build_csc(c, cols, col_counts, exclude=plan(col_counts).is_hot())
+        exclude = hot.config_plan(col_counts, config).is_hot()
+        index = fmt.build_csc(c, cols, col_counts, exclude=exclude)
         return index.offsets, index.order, *csc.csc_entries(index, width, dr, du, t)
 
     def hot_grads(c, cols, col_counts, dr, du, t, x, g, dws):
         # dws: the CSC SpMM's outputs, passed in as in the step (zeros made here would
         # time three [N, H] memsets the step does not run).
-        return hot.switch_hot_grads(
-            plan(col_counts), config.hot_capacities, c, cols, dr, du, t, x, g, dws
-        )
+        plan = hot.config_plan(col_counts, config)
+        return hot.switch_hot_grads(plan, config.hot_capacities, c, cols, dr, du, t, x, g, dws)
 
     index = jax.jit(index)
     offsets, *entries = index(cnt, ell.cols, ell.col_counts, dr, du, t)

@@ -20,7 +20,7 @@ them all, still exact.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +28,9 @@ from jax import lax
 
 from pallas_kernels.sparse_train.dense_rows import after, row_blocks
 from pallas_kernels.sparse_train.format import slot_mask
+
+if TYPE_CHECKING:
+    from pallas_kernels.sparse_train.config import SparseTrainConfig
 
 _F32 = jnp.float32
 # Rows per step of the dense blocks, [rows, K, 2] and [rows, K]: 6 KiB per row at
@@ -67,6 +70,17 @@ def hot_threshold(col_counts: jax.Array, min_count: int, min_skew: float) -> jax
     # mean over the busy >= min_skew * mean over all, without dividing by n_busy = 0
     stands_out = busy_total * n >= min_skew * total * n_busy
     return jnp.where(stands_out, floor, jnp.iinfo(jnp.int32).max)
+
+
+def config_threshold(col_counts: jax.Array, config: SparseTrainConfig) -> jax.Array:
+    """int32 scalar: `hot_threshold` under a resolved config's hot_min_count and
+    hot_min_skew (col_counts: int32 [N])."""
+    return hot_threshold(col_counts, config.hot_min_count, config.hot_min_skew)
+
+
+def config_plan(col_counts: jax.Array, config: SparseTrainConfig) -> HotPlan:
+    """The `plan_hot` of a resolved config: its threshold and hot_capacities."""
+    return plan_hot(col_counts, config_threshold(col_counts, config), config.hot_capacities)
 
 
 class HotPlan(NamedTuple):

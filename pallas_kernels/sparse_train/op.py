@@ -75,8 +75,7 @@ def hot_share(col_counts: jax.Array, config: SparseTrainConfig) -> jax.Array:
     resolved config (`hot.hot_threshold`; col_counts: int32 [N] entries per neuron);
     0 without entries. What the per-layer sparse / dense switch reads as a layer's
     skew."""
-    threshold = hot.hot_threshold(col_counts, config.hot_min_count, config.hot_min_skew)
-    return _share_past(col_counts, threshold)
+    return _share_past(col_counts, hot.config_threshold(col_counts, config))
 
 
 def _share_past(col_counts: jax.Array, threshold: jax.Array) -> jax.Array:
@@ -195,7 +194,7 @@ def _forward(static: _Static, x, wg, wu, wd):
     branches = [functools.partial(tail, cap) for cap in caps] + [dense]
     out, l1_sum = lax.switch(bucket, branches, out)
     cap_used = jnp.asarray((*caps, -1), jnp.int32)[bucket]
-    threshold = hot.hot_threshold(ell.col_counts, cfg.hot_min_count, cfg.hot_min_skew)
+    threshold = hot.config_threshold(ell.col_counts, cfg)
     stats = {
         "l0": jnp.sum(ell.counts).astype(_F32) / m,
         "l1": l1_sum / m,
@@ -243,8 +242,7 @@ def _op_bwd(static, res, cts):
         # Outside the switch: the sort depends only on the forward's pattern, and a switch
         # whose branches hold only kernels, GEMMs and fusions runs as a CUDA-graph
         # conditional (a device-side predicate) instead of a host round trip.
-        threshold = hot.hot_threshold(col_counts, cfg.hot_min_count, cfg.hot_min_skew)
-        plan = hot.plan_hot(col_counts, threshold, cfg.hot_capacities)
+        plan = hot.config_plan(col_counts, cfg)
         index = fmt.build_csc(ell_count, cols, col_counts, exclude=plan.is_hot())
 
     with jax.named_scope("twell_sddmm_grad"):
