@@ -21,15 +21,16 @@ CARD=${CARD:-gpu}
 status=0
 # A time-boxed pretraining run saves and stops on SIGINT: timeout's 124 or the run's 130.
 stopped_ok() { [ "$1" -eq 0 ] || [ "$1" -eq 124 ] || [ "$1" -eq 130 ]; }
+# The GPU tests (interpret=False) into $OUT/$1, with pytest's further arguments.
+gpu_tests() { local log=$1; shift; python3 -m pytest -m gpu -q -p no:cacheprovider "$@" 2>&1 | tee "$OUT/$log"; }
 for what in "${@:-all}"; do
   case "$what" in
-    tests|all) python3 -m pytest -m gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_${CARD}.log" \
-                 || status=1 ;;&
+    tests|all) gpu_tests "gpu_tests_${CARD}.log" || status=1 ;;&
     # The suite in two halves (~3 and ~6 minutes on an H200) where one run must stay short.
-    tests_train) python3 -m pytest -m gpu -q -p no:cacheprovider tests/pallas_kernels/sparse_train \
-                   2>&1 | tee "$OUT/gpu_tests_sparse_train_${CARD}.log" || status=1 ;;
-    tests_other) python3 -m pytest -m gpu -q -p no:cacheprovider --ignore=tests/pallas_kernels/sparse_train \
-                   2>&1 | tee "$OUT/gpu_tests_other_${CARD}.log" || status=1 ;;
+    tests_train) gpu_tests "gpu_tests_sparse_train_${CARD}.log" tests/pallas_kernels/sparse_train \
+                   || status=1 ;;
+    tests_other) gpu_tests "gpu_tests_other_${CARD}.log" --ignore=tests/pallas_kernels/sparse_train \
+                   || status=1 ;;
     kernel|all) python3 -m experiments.benchmark --mode=kernel --out="$OUT/kernel_${CARD}.json" \
                   || status=1 ;;&
     train|all) python3 -m experiments.benchmark --mode=train --out="$OUT/train_${CARD}.json" \
