@@ -1,146 +1,36 @@
-"""End-to-end `python -m experiments.pretrain` runs, resume, flagfiles, and the tools
-that read a run (benchmark_model, quality_report).
+"""End-to-end `python -m experiments.pretrain` runs: outputs, resume, Ctrl-C,
+divergence, refusals and flagfiles.
 
 Each CLI run is a subprocess on a tiny model (d_model 64, 2 layers, seq 32, batch 4)
-over a small synthetic corpus. The subprocesses share a persistent compilation cache,
-so only the first one pays for compiling the train and eval steps.
+over a small synthetic corpus (tests/experiments/pretrain_cli.py).
 """
 
 import importlib.util
 import json
-import os
 import re
 import shutil
 import signal
 import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tests.experiments.cli import refusal, run_module
+from tests.experiments.pretrain_cli import (
+    REPO,
+    checkpoint_steps,
+    cli_command,
+    cli_env,
+    run_cli,
+    train_ce,
+    val_ce,
+)
 from tests.fake_pynvml import install_module
 from twell_jax import corpus, documents, metrics, tokenizer
 
-REPO = Path(__file__).resolve().parents[2]
 # A resumed run restores the exact state, and XLA on CPU is deterministic, so only
 # reassociation noise (none expected) may separate the two runs.
 RESUME_CE_RTOL = 1e-4
-TINY_FLAGS = (
-    "--preset=tiny",
-    "--set=model.d_model=64",
-    "--set=model.n_layers=2",
-    "--set=model.d_ff=256",
-    "--seq_len=32",
-    "--batch_size=4",
-    "--warmup_steps=1",
-    "--l1_coef=1e-3",
-    "--log_every=1",
-    "--eval_every=3",
-    "--eval_batches=2",
-    "--checkpoint_every=3",
-)
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
-    """A byte-tokenized corpus of 120 short synthetic documents (both splits non-empty)."""
-    rng = np.random.default_rng(0)
-    words = [
-        "the",
-        "quick",
-        "brown",
-        "fox",
-        "jumps",
-        "over",
-        "a",
-        "lazy",
-        "dog",
-        "while",
-        "sparse",
-        "neurons",
-        "rarely",
-        "fire",
-    ]
-    docs = [
-        documents.Document(f"doc{i}.txt", " ".join(rng.choice(words, size=120))) for i in range(120)
-    ]
-    out = tmp_path_factory.mktemp("corpus")
-    meta = corpus.prepare_corpus(
-        docs, out, tokenizer.load_tokenizer("byte"), source="synthetic", val_fraction=0.2
-    )
-    assert meta["splits"]["val"]["num_tokens"] > 2 * 4 * 33  # two val batches
-    return out
-
-
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("jax_cache")
-
-
-def _env(cache_dir: Path) -> dict[str, str]:
-    return {
-        **os.environ,
-        "JAX_PLATFORMS": "cpu",
-        "JAX_COMPILATION_CACHE_DIR": str(cache_dir),
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
-    }
-
-
-def _cmd(workdir: Path, data_dir: Path, flags) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "experiments.pretrain",
-        *TINY_FLAGS,
-        f"--data_dir={data_dir}",
-        f"--workdir={workdir}",
-        *flags,
-    ]
-
-
-def run_cli(workdir: Path, data_dir: Path, cache_dir: Path, *flags: str, check: bool = True):
-    """Runs the CLI to completion.
-
-    Returns:
-      Its combined output, failing the test on a non-zero exit; with check=False the
-      CompletedProcess.
-    """
-    proc = subprocess.run(
-        _cmd(workdir, data_dir, flags),
-        cwd=REPO,
-        env=_env(cache_dir),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    if not check:
-        return proc
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return proc.stderr + proc.stdout
-
-
-def train_ce(workdir: Path) -> dict[int, float]:
-    records = metrics.read_metrics(workdir / metrics.METRICS_FILE)
-    return {r["step"]: r["ce"] for r in records if r["kind"] == "train"}
-
-
-def val_ce(workdir: Path) -> dict[int, float]:
-    records = metrics.read_metrics(workdir / metrics.METRICS_FILE)
-    return {r["step"]: r["val_ce"] for r in records if r["kind"] == "eval"}
-
-
-def checkpoint_steps(workdir: Path) -> list[int]:
-    return sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
-
-
-@pytest.fixture(scope="module")
-def straight(tmp_path_factory, data_dir, cache_dir) -> tuple[Path, str]:
-    """A finished 6-step run (its workdir and output); tests copy it before changing it."""
-    workdir = tmp_path_factory.mktemp("straight") / "run"
-    return workdir, run_cli(workdir, data_dir, cache_dir, "--steps=6")
 
 
 @pytest.mark.slow
@@ -224,9 +114,9 @@ def test_resume_matches_straight_run(tmp_path, straight, data_dir, cache_dir):
 def test_sigint_saves_and_exits(tmp_path, data_dir, cache_dir):
     workdir = tmp_path / "run"
     proc = subprocess.Popen(
-        _cmd(workdir, data_dir, ["--steps=6"]),
+        cli_command(workdir, data_dir, ["--steps=6"]),
         cwd=REPO,
-        env=_env(cache_dir),
+        env=cli_env(cache_dir),
         stderr=subprocess.PIPE,
         text=True,
     )
@@ -332,106 +222,14 @@ def test_flagfile_resolves(name, monkeypatch):
 
 
 @pytest.mark.slow
-def test_trained_checkpoint_feeds_the_model_benchmark(straight, data_dir):
-    """benchmark_model restores a pretrain workdir and times its body on val tokens."""
-    import jax
-    import jax.numpy as jnp
-
-    from experiments import benchmark_model
-
-    workdir, _ = straight
-    cfg, params, step = benchmark_model.trained_params(str(workdir))
-    assert step == 6 and cfg.model.d_model == 64 and cfg.sparsity.l1_coef == 1e-3
-    assert {leaf.dtype for leaf in jax.tree.leaves(params)} == {jnp.dtype(jnp.bfloat16)}
-    (rec,) = benchmark_model.run_trained(
-        [str(workdir)], str(data_dir), batch=2, reps=1, compressions=(4,)
-    )
-    assert rec["step"] == 6 and rec["compression"] == 4 and rec["tokens"] == 2 * 32
-    assert len(rec["twell_l0_per_layer"]) == 2 and 0 < rec["twell_l0_mean"] < 256
-    assert rec["body_norm_rel_err"] < 1e-2  # CPU: the twell op's XLA path
-    with pytest.raises(FileNotFoundError, match="not a pretrain workdir"):
-        benchmark_model.trained_params(str(workdir / "checkpoints"))
-
-
-@pytest.mark.slow
-def test_trained_checkpoint_neuron_profile_and_captured_benchmark(straight, data_dir):
-    """The neuron profile and the captured-pattern benchmark read a pretrain workdir."""
-    from experiments import benchmark_train
-    from pallas_kernels import SparseTrainConfig
-
-    workdir, _ = straight
-    out = workdir.parent / "profile.json"
-    cli = ["-m", "experiments.neuron_profile", f"--workdir={workdir}", f"--data_dir={data_dir}"]
-    proc = subprocess.run(
-        [sys.executable, *cli, "--batch=2", f"--out={out}"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "| layer | l0 |" in proc.stdout
-    too_many = subprocess.run(
-        [sys.executable, *cli, "--batch=100000"], cwd=REPO, capture_output=True, text=True
-    )
-    assert "fewer than one batch of 100000" in refusal(too_many)
-    prof = json.loads(out.read_text())
-    assert prof["step"] == 6 and prof["tokens"] == 64 and len(prof["layers"]) == 2
-    for rec in prof["layers"]:
-        assert 0 < rec["l0"] <= rec["l0_max"] and 0 <= rec["dead_share"] < 1
-        assert rec["top1_share"] <= rec["top10_share"] <= 1 and 0 < rec["hottest_rate"] <= 1
-    recs = benchmark_train.run_captured(
-        str(workdir), str(data_dir), layers=(0, 1), M=64, reps=1,
-        config=SparseTrainConfig(impl="xla"),
-        compare=SparseTrainConfig(impl="xla", hot_min_count=10**6),
-    )  # fmt: skip
-    for layer, rec in enumerate(recs):
-        assert rec["layer"] == layer and rec["pattern"] == "captured" and rec["M"] == 64
-        # the op saw the layer's real FFN input: its l0 is the profile's
-        assert rec["l0"] == pytest.approx(prof["layers"][layer]["l0"], rel=1e-3)
-        assert max(rec["grad_rel_err"].values()) < 3e-2
-        # the paired ratio of its own rotation, near the ratio of the two medians
-        assert 0 < rec["vs_uniform"] < 10
-        assert rec["uniform_control"]["sparse_ms"] > 0
-        # the compared config in the same rotation, on both inputs
-        assert sorted(rec["compare"]) == ["captured", "control", "vs_uniform"]
-        assert all(0 < v < 10 for v in rec["compare"].values())
-
-
-@pytest.mark.slow
-def test_quality_report_table_and_plot(tmp_path, straight):
-    from experiments import quality_report
-
-    workdir, _ = straight
-    records = metrics.read_metrics(workdir / metrics.METRICS_FILE)
-    worse = [{**r, "val_ce": r["val_ce"] * 1.1} if r.get("kind") == "eval" else r for r in records]
-    summaries = {"base": quality_report.summarize(records), "l1": quality_report.summarize(worse)}
-    assert summaries["base"]["step"] == 6
-    assert summaries["base"]["l1_coef"] == pytest.approx(1e-3)
-    train = [r for r in records if r.get("kind") == "train"]
-    late = [r["tokens_per_s"] for r in train if r["step"] > 3 and r.get("tokens_per_s")]
-    assert summaries["base"]["tokens_per_s"] == pytest.approx(sum(late) / len(late))
-    assert summaries["base"]["mj_per_token"] is None  # no --energy
-    every = all(all(r["use_sparse"]) for r in train if r["step"] >= train[-1]["step"])
-    assert (summaries["base"]["all_sparse_from"] is not None) == every
-    table = quality_report.table(summaries, "base")
-    rows = table.splitlines()[2:]
-    assert rows[0].startswith("| base |") and "+0.00%" in rows[0]
-    assert rows[1].startswith("| l1 |") and "+10.00%" in rows[1]
-    quality_report.plot({"base": records, "l1": worse}, tmp_path / "q.png")
-    assert (tmp_path / "q.png").stat().st_size > 0
-    with pytest.raises(ValueError, match="eval record"):
-        quality_report.summarize([r for r in records if r.get("kind") == "train"])
-
-
-@pytest.mark.slow
 def test_energy_flag_logs_joules_per_token_or_stops_before_writing(tmp_path, data_dir, cache_dir):
     """--energy through a fake NVML board at 120 W (tests/fake_pynvml.py); where NVML
     cannot measure (no package here, or no driver) the run exits 1 before it writes."""
-    env = {**_env(cache_dir), "PYTHONPATH": f"{install_module(tmp_path / 'nvml')}:{REPO}"}
+    env = {**cli_env(cache_dir), "PYTHONPATH": f"{install_module(tmp_path / 'nvml')}:{REPO}"}
     env["FAKE_NVML_WATTS"] = "120"
     env.pop("CUDA_VISIBLE_DEVICES", None)  # the fake has one board
     workdir = tmp_path / "run"
-    cmd = _cmd(workdir, data_dir, ["--steps=3", "--energy"])
+    cmd = cli_command(workdir, data_dir, ["--steps=3", "--energy"])
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "energy: {'method': 'counter'" in proc.stderr
@@ -513,34 +311,3 @@ def test_ffn_impl_help_lists_every_implementation():
     from twell_jax.config import FFN_IMPLS
 
     assert all(impl in pretrain._FIELDS["ffn_impl"][2] for impl in FFN_IMPLS)
-
-
-def test_neuron_profile_refusals_are_one_line():
-    def profile(*args):
-        return run_module("neuron_profile", *args)
-
-    assert "runs/no_such_run" in refusal(profile("--workdir=runs/no_such_run"))
-    assert "--batch=0: must be at least 1" in refusal(profile("--workdir=x", "--batch=0"))
-    no_dir = profile("--workdir=x", "--out=/nonexistent_dir/profile.json")
-    assert "--out=/nonexistent_dir/profile.json: no directory" in refusal(no_dir)
-
-
-def test_quality_report_labels_runs_apart_by_directory():
-    """Two runs' metrics.jsonl share a stem: each gets its directory's name (one stem
-    for both merged them into one row, the baseline compared with itself)."""
-    from experiments.quality_report import labels
-
-    runs = [Path("runs/125m_dense/metrics.jsonl"), Path("runs/125m/metrics.jsonl")]
-    assert labels(runs) == ["125m_dense", "125m"]
-    assert labels([Path("l1_0.jsonl"), Path("l1_1e-3.jsonl")]) == ["l1_0", "l1_1e-3"]
-    assert labels([*runs, Path("copies/l1.jsonl")]) == ["125m_dense", "125m", "l1"]
-    with pytest.raises(ValueError, match="given twice"):
-        labels([runs[0], runs[0]])
-    with pytest.raises(ValueError, match="share a name and a directory name"):
-        labels([Path("a/run/metrics.jsonl"), Path("b/run/metrics.jsonl")])
-
-
-def test_quality_report_usage_keeps_its_line_continuation():
-    from experiments import quality_report
-
-    assert "l1_*.jsonl \\\n        --plot=" in quality_report.__doc__
