@@ -2,15 +2,16 @@ r"""Generates text from an HF Llama checkpoint or a pretrain workdir.
 
     python -m experiments.generate --hf_dir=DIR --prompt="Once upon a time" \
         [--max_new_tokens=64] [--temperature=0.8 --top_p=0.95 --seed=1]
-    python -m experiments.generate --workdir=runs/tiny --data_dir=data/stdlib_byte \
+    python -m experiments.generate --workdir=runs/tiny \
         --prompt="def " --prompt="import " --output_json=out.json
     python -m experiments.generate --hf_dir=DIR --prompt_ids="1,2,3;4,5" --vocab_limit=0
 
-The model: --hf_dir (config.json, safetensors, tokenizer.json if present;
-`twell_jax.hf`) or --workdir (newest checkpoint; the tokenizer of its corpus,
---data_dir as in pretraining). --tokenizer ("byte" or a tokenizer.json) overrides
-either. Prompts: --prompt (repeat it for a batch) or --prompt_ids (ids separated by
-commas, prompts by semicolons, taken verbatim). Text prompts of an HF checkpoint get
+The model: --hf_dir (config.json, safetensors, tokenizer.json if present, its EOS the
+config's eos_token_id; `twell_jax.hf`) or --workdir (newest checkpoint; the tokenizer
+of the corpus it trained on, named by its data.json, or --data_dir with the same
+tokenizer). --tokenizer ("byte" or a tokenizer.json) overrides either. Prompts:
+--prompt (repeat it for a batch) or --prompt_ids (ids separated by commas, prompts by
+semicolons, taken verbatim). Text prompts of an HF checkpoint get
 its bos_token_id in front unless --noadd_bos.
 
 --temperature=0 is greedy; --top_k / --top_p restrict sampling. Generation stops at
@@ -43,12 +44,11 @@ from experiments import entry_points, pretrain_run
 from twell_jax import generate as generation
 from twell_jax import hf
 from twell_jax import tokenizer as tokenizer_lib
-from twell_jax.input_pipeline import DataConfig
 
 _HF_DIR = flags.DEFINE_string("hf_dir", None, "HF Llama checkpoint directory.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Pretrain workdir (its checkpoints/).")
 _DATA_DIR = flags.DEFINE_string(
-    "data_dir", DataConfig.data_dir, "With --workdir: the run's corpus (for its tokenizer)."
+    "data_dir", None, "With --workdir: the run's corpus, for its tokenizer (default: its own)."
 )
 _TOKENIZER = flags.DEFINE_string("tokenizer", None, '"byte" or a tokenizer.json (overrides).')
 _PROMPT = flags.DEFINE_multi_string("prompt", [], "Prompt text; repeat for a batch.")
@@ -77,6 +77,13 @@ def _ids(text: str, what: str) -> list[int]:
         raise ValueError(f"{what}={text!r}: expected comma-separated integers") from None
 
 
+def _tokenizer(spec: str, eos_id: int | None = None):
+    """`load_tokenizer(spec)`, a tokenizer.json's EOS taken from `eos_id` when given."""
+    if spec == tokenizer_lib.BYTE_SPEC or eos_id is None:
+        return tokenizer_lib.load_tokenizer(spec)
+    return tokenizer_lib.HFTokenizer(spec, eos_id=eos_id)
+
+
 def _load():
     """(ModelConfig, params, tokenizer or None, default stop ids, BOS id or None)."""
     if (_HF_DIR.value is None) == (_WORKDIR.value is None):
@@ -89,20 +96,35 @@ def _load():
         local = Path(_HF_DIR.value) / "tokenizer.json"
         if spec is None and local.is_file():
             spec = str(local)
-        tok = tokenizer_lib.load_tokenizer(spec) if spec else None
-        stop = hf.eos_token_ids(hf_config) or ((tok.eos_id,) if tok else ())
+        stop = hf.eos_token_ids(hf_config)
+        tok = _tokenizer(spec, stop[0] if stop else None) if spec else None
+        stop = stop or ((tok.eos_id,) if tok else ())
         return cfg, params, tok, stop, hf_config.get("bos_token_id")
     run_cfg, params, step = pretrain_run.load_params(_WORKDIR.value)
     logging.info("workdir %s at step %d", _WORKDIR.value, step)
-    cfg = dataclasses.replace(run_cfg.model, **overrides)
+    model = run_cfg.model
+    if model.ffn_impl == "sparse":
+        # The training op (bf16 only) has no part in generation, where a model of the
+        # training op and a dense one take the same paths (`generate.inference_configs`):
+        # so the run's config may change dtype.
+        model = dataclasses.replace(model, ffn_impl="dense")
+    cfg = dataclasses.replace(model, **overrides)
     if spec is not None:
         tok = tokenizer_lib.load_tokenizer(spec)
     else:
         try:
-            tok = pretrain_run.tokenizer_of_corpus(_DATA_DIR.value)
+            data_dir = pretrain_run.run_corpus(_WORKDIR.value, _DATA_DIR.value)
+            tok = pretrain_run.tokenizer_of_corpus(data_dir)
         except FileNotFoundError as e:
             logging.warning("no tokenizer (%s): ids only", e)
     return cfg, params, tok, ((tok.eos_id,) if tok else ()), None
+
+
+def _continuation(tok, prompt: list[int], new: list[int]) -> str:
+    """The text `new` adds after `prompt`. Decoding `new` alone would drop a leading
+    space that tokenizers such as SentencePiece's write into the first token."""
+    head, whole = tok.decode(prompt), tok.decode(prompt + new)
+    return whole[len(head) :] if whole.startswith(head) else tok.decode(new)
 
 
 def _prompts(tok, bos: int | None) -> list[list[int]]:
@@ -128,17 +150,18 @@ class _Streamer:
 
     def __init__(self, tok, prompt: list[int]):
         self.tok, self.prompt, self.ids, self.printed = tok, prompt, [], ""
+        self.started = False
 
     def __call__(self, column) -> None:
         # The prompt waits for the first column, which comes after every input check.
-        if self.prompt is not None:
+        if not self.started:
             sys.stdout.write(self.tok.decode(self.prompt))
-            self.prompt = None
+            self.started = True
         token = int(column[0])
         if token == generation.NO_TOKEN:
             return
         self.ids.append(token)
-        text = self.tok.decode(self.ids)
+        text = _continuation(self.tok, self.prompt, self.ids)
         # U+FFFD at the end: a character whose next bytes are still to come.
         if text.endswith("\ufffd") or not text.startswith(self.printed):
             return
@@ -177,7 +200,10 @@ def run() -> dict:
         ffn=_FFN.value,
         on_tokens=stream,
     )
-    texts = [tok.decode(ids) if tok else "" for ids in out.new_token_ids]
+    texts = [
+        _continuation(tok, prompt, new) if tok else ""
+        for prompt, new in zip(prompts, out.new_token_ids, strict=True)
+    ]
     if stream:
         sys.stdout.write(texts[0][len(stream.printed) :] + "\n")
     else:

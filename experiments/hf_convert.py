@@ -7,7 +7,8 @@ Writes config.json and model.safetensors (or shards with an index) that
 `transformers.LlamaForCausalLM.from_pretrained` and `twell_jax.hf.load_checkpoint`
 read (docs/design.md §11). The ReLU FFN becomes `hidden_act: "relu"`, which HF Llama
 runs as down(relu(gate(x)) * up(x)), the same function. The tokenizer of the run's
-corpus (--data_dir, as in pretraining) gives eos_token_id, and a tokenizer.json is
+corpus (the one its data.json names, or --data_dir with the same tokenizer) gives
+eos_token_id, and a tokenizer.json is
 copied next to the weights; a byte-level run has none to copy
 (`experiments.generate --tokenizer=byte` decodes it).
 
@@ -15,7 +16,8 @@ The other direction is `experiments.pretrain --init_from_hf=DIR`, which starts a
 from an HF checkpoint's weights; `experiments.generate --hf_dir` runs HF checkpoints.
 
 Exit codes: 0 done, 2 refused (no such workdir or checkpoint, a model HF Llama cannot
-express, a non-empty output directory, positional arguments).
+express, a non-empty output directory, a --data_dir of another tokenizer than the
+run's, positional arguments).
 """
 
 from __future__ import annotations
@@ -28,12 +30,11 @@ from experiments import entry_points, pretrain_run
 from twell_jax import hf
 from twell_jax import tokenizer as tokenizer_lib
 from twell_jax.config import DTYPES
-from twell_jax.input_pipeline import DataConfig
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Pretrain workdir (its checkpoints/).")
 _TO_HF_DIR = flags.DEFINE_string("to_hf_dir", None, "New directory for the HF checkpoint.")
 _DATA_DIR = flags.DEFINE_string(
-    "data_dir", DataConfig.data_dir, "The run's prepared corpus (for its tokenizer)."
+    "data_dir", None, "The run's corpus, for its tokenizer (default: the one it trained on)."
 )
 _DTYPE = flags.DEFINE_enum("dtype", None, DTYPES, "Tensor dtype (default: the run's params).")
 _MAX_SHARD_GB = flags.DEFINE_float("max_shard_gb", 5.0, "Largest safetensors file, in GB.")
@@ -48,7 +49,7 @@ def convert(workdir: str, to_hf_dir: str, data_dir: str | None, dtype: str | Non
     logging.info("workdir %s: step %d, model %s", workdir, step, cfg.model)
     tok = None
     try:
-        tok = pretrain_run.tokenizer_of_corpus(data_dir)
+        tok = pretrain_run.tokenizer_of_corpus(pretrain_run.run_corpus(workdir, data_dir))
     except FileNotFoundError as e:
         logging.warning("no tokenizer recorded (%s): config.json gets no eos_token_id", e)
     files = hf.save_checkpoint(

@@ -3,14 +3,15 @@ r"""Per-layer neuron profile of a pretrain workdir's newest checkpoint.
     python -m experiments.neuron_profile --workdir=runs/125m [--data_dir=data] \
         [--batch=8] [--out=profile.json]
 
-On the first validation sequences of the run's corpus, counts each layer's positive
+On the first validation sequences of the run's corpus (the one its data.json names,
+or --data_dir, whose tokenizer must be the run's), counts each layer's positive
 gate entries per neuron and per token and prints, per layer: l0 (mean, p99, max per
 token), the share of all positives held by the top 1% and 10% of neurons, the share of
 dead neurons and the hottest neuron's firing rate (`twell_jax.neuron_profile`).
 
 Exit codes: 0 done, 2 refused (no such workdir or checkpoint, no prepared corpus, a
---batch below 1 or above the validation split, an --out that cannot be written,
-positional arguments).
+--data_dir of another tokenizer than the run's, a --batch below 1 or above the
+validation split, an --out that cannot be written, positional arguments).
 """
 
 from __future__ import annotations
@@ -21,13 +22,13 @@ import jax.numpy as jnp
 from absl import app, flags, logging
 from flax import nnx
 
-from experiments import entry_points
+from experiments import entry_points, pretrain_run
 from experiments.benchmark_model import trained_params
 from twell_jax import input_pipeline, neuron_profile, train
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Pretrain workdir (config.json + checkpoints).")
 _DATA_DIR = flags.DEFINE_string(
-    "data_dir", input_pipeline.DataConfig.data_dir, "The run's prepared corpus."
+    "data_dir", None, "The run's prepared corpus (default: the one it trained on)."
 )
 _BATCH = flags.DEFINE_integer("batch", 8, "Validation sequences to profile.")
 _OUT = flags.DEFINE_string("out", None, "Also write the records as JSON here.")
@@ -35,9 +36,11 @@ _OUT = flags.DEFINE_string("out", None, "Also write the records as JSON here.")
 EXIT_REFUSED = 2
 
 
-def run(workdir: str, data_dir: str, batch: int) -> dict:
-    """{"workdir", "step", "tokens", "layers": [profile record per layer]}."""
+def run(workdir: str, data_dir: str | None, batch: int) -> dict:
+    """{"workdir", "step", "tokens", "layers": [profile record per layer]}; the tokens
+    are `data_dir`'s (None: the run's corpus, `pretrain_run.run_corpus`)."""
     cfg, params, step = trained_params(workdir)
+    data_dir = pretrain_run.run_corpus(workdir, data_dir)
     data_cfg = input_pipeline.DataConfig(
         data_dir, seq_len=cfg.model.seq_len, batch_size=batch, seed=cfg.seed
     )

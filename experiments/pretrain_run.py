@@ -4,8 +4,8 @@ Shared by `experiments.hf_convert`, `experiments.generate` and
 `experiments.neuron_profile` (flag-free, so the CLIs can import it). A workdir
 (`experiments.pretrain --workdir`) holds checkpoints/ (each step with its config); the
 tokenizer is recorded by the prepared corpus it trained on (`<data_dir>/meta.json`:
-"byte", or a tokenizer.json copied into data_dir), which the workdir does not name,
-hence the `data_dir` argument.
+"byte", or a tokenizer.json copied into data_dir), which the workdir names in its
+data.json (`run_corpus`).
 """
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ from typing import Any
 
 import jax
 
-from twell_jax import checkpoint, corpus, sharding, train, trainer
+from twell_jax import checkpoint, corpus, run_data, sharding, train, trainer
 from twell_jax import tokenizer as tokenizer_lib
 from twell_jax.config import TrainConfig
 from twell_jax.config_io import train_config_from_dict
+from twell_jax.input_pipeline import DataConfig
 
 
 def load_params(workdir: str | Path) -> tuple[TrainConfig, dict[str, Any], int]:
@@ -49,6 +50,20 @@ def load_params(workdir: str | Path) -> tuple[TrainConfig, dict[str, Any], int]:
 
         restored = ckpt.restore_params(params_target)
     return configs[restored.step], restored.state["params"], restored.step
+
+
+def run_corpus(workdir: str | Path, data_dir: str | None = None) -> str:
+    """The prepared corpus of the run in `workdir`: `data_dir` when given (checked
+    against the tokenizer the run recorded), else the one its data.json names; a run
+    from before data.json existed falls back to the default corpus (`DataConfig`).
+
+    Raises:
+      FileNotFoundError: the recorded corpus is not on this machine (name a copy).
+      ValueError: `data_dir`'s tokenizer is not the run's.
+    """
+    if data_dir is None and not (Path(workdir) / run_data.DATA_FILE).exists():
+        return DataConfig.data_dir
+    return run_data.run_data_dir(workdir, data_dir)
 
 
 def tokenizer_of_corpus(data_dir: str | Path) -> tokenizer_lib.Tokenizer:

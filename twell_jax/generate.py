@@ -60,6 +60,8 @@ from twell_jax.train import model_graphdef
 
 Params = dict[str, Any]
 FFN_MODES = ("auto", "dense", "sparse")
+# The decode kernels (attention block, q / k / v projection, FFN) take these.
+GENERATION_DTYPES = ("float32", "bfloat16")
 # Generated-token slots after a row's stop token.
 NO_TOKEN = -1
 # "auto" runs the TwELL prefill from this many prompt tokens (B x P) up: on the 1.5B
@@ -99,8 +101,10 @@ class SamplingConfig:
     vocab_limit: int | None = None
 
     def __post_init__(self):
-        if self.top_k < 0:
-            raise ValueError(f"SamplingConfig.top_k={self.top_k}: must be >= 0")
+        if not np.isfinite(self.temperature):
+            raise ValueError(f"SamplingConfig.temperature={self.temperature}: must be finite")
+        if not isinstance(self.top_k, (int, np.integer)) or self.top_k < 0:
+            raise ValueError(f"SamplingConfig.top_k={self.top_k!r}: must be an int >= 0")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"SamplingConfig.top_p={self.top_p}: must be in (0, 1]")
         if self.vocab_limit is not None and self.vocab_limit < 1:
@@ -339,8 +343,15 @@ def _left_pad(prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     return tokens, np.asarray([p - len(row) for row in prompts], np.int32)
 
 
-def _check_prompts(cfg: ModelConfig, prompts: list[list[int]], max_new_tokens: int) -> None:
+def _check_inputs(
+    cfg: ModelConfig, prompts: list[list[int]], max_new_tokens: int, stop_tokens: list[int]
+) -> None:
     """Host-side checks before anything is jitted (jitted code cannot raise on values)."""
+    if cfg.dtype not in GENERATION_DTYPES:
+        raise ValueError(
+            f"ModelConfig.dtype={cfg.dtype!r}: generation computes in one of {GENERATION_DTYPES}"
+        )
+    check_token_ids(np.asarray(stop_tokens, np.int64), cfg.vocab_size, name="stop_tokens")
     if not prompts:
         raise ValueError("no prompts")
     if max_new_tokens < 1:
@@ -396,15 +407,17 @@ def generate(
       A `Generation`.
 
     Raises:
-      ValueError: an empty prompt list or prompt, an id outside [0, vocab_size) (named
-        with its prompt and position), too long a generation, or an unusable `ffn`.
+      ValueError: an empty prompt list or prompt, a prompt or stop id outside [0,
+        vocab_size) (named with its position), too long a generation, a compute dtype
+        other than float32 or bfloat16, or an unusable `ffn`.
     """
     prompts = [[int(t) for t in row] for row in prompts]
-    _check_prompts(cfg, prompts, max_new_tokens)
+    stop_tokens = [int(t) for t in stop_tokens]
+    _check_inputs(cfg, prompts, max_new_tokens, stop_tokens)
     prefill, step, loop = generation_fns(cfg, ffn, sampling, attention)
     params = serving_params(params, cfg)
     tokens, pad = _left_pad(prompts)
-    stop = jnp.asarray(list(stop_tokens), jnp.int32)
+    stop = jnp.asarray(stop_tokens, jnp.int32)
     key = jax.random.key(seed)
     state = prefill(params, tokens, pad, max_new_tokens, key, stop)
     if on_tokens is None:

@@ -74,17 +74,21 @@ class ByteTokenizer:
 class HFTokenizer:
     """A Hugging Face `tokenizers` tokenizer loaded from a tokenizer.json file."""
 
-    def __init__(self, path: str | os.PathLike, eos_token: str | None = None):
+    def __init__(
+        self, path: str | os.PathLike, eos_token: str | None = None, eos_id: int | None = None
+    ):
         """Loads `path`.
 
         Args:
           path: a tokenizer.json file.
           eos_token: the end-of-document token; by default the first of `EOS_CANDIDATES` that
             the vocabulary contains.
+          eos_id: the end-of-document token's id instead (a model config's eos_token_id).
 
         Raises:
           FileNotFoundError: `path` does not exist.
-          ValueError: `path` is not a valid tokenizer.json, or it has no EOS token.
+          ValueError: `path` is not a valid tokenizer.json, or it has no EOS token (or
+            none of id `eos_id`).
           ImportError: the optional `tokenizers` package is missing.
         """
         path = Path(path)
@@ -96,6 +100,10 @@ class HFTokenizer:
         except Exception as e:  # the Rust parser raises a bare Exception
             raise ValueError(f"not a valid tokenizer.json: {path}: {e}") from e
         self._path = path.resolve()
+        if eos_id is not None:
+            eos_token = self._tok.id_to_token(eos_id)
+            if eos_token is None:
+                raise ValueError(f"tokenizer {path} has no token of eos id {eos_id}")
         candidates = (eos_token,) if eos_token else EOS_CANDIDATES
         ids = [self._tok.token_to_id(t) for t in candidates]
         found = [i for i in ids if i is not None]

@@ -1,5 +1,6 @@
 """KV-cache generation: the full forward, batching, stopping, sampling (twell_jax.generate)."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -114,6 +115,14 @@ def test_refusals(model):
         G.generate(cfg, params, [[1] * 30], 3)
     with pytest.raises(ValueError, match="top_p=0"):
         G.SamplingConfig(top_p=0)
+    with pytest.raises(ValueError, match="temperature=nan: must be finite"):
+        G.SamplingConfig(temperature=float("nan"))
+    with pytest.raises(ValueError, match=r"top_k=2\.5: must be an int"):
+        G.SamplingConfig(top_k=2.5)
+    with pytest.raises(ValueError, match=r"stop_tokens\[1\] = 256 is not a token id"):
+        G.generate(cfg, params, [[1]], 2, stop_tokens=[3, 256])
+    with pytest.raises(ValueError, match="dtype='float16': generation computes in one of"):
+        G.generate(dataclasses.replace(cfg, dtype="float16"), params, [[1]], 2)
     with pytest.raises(ValueError, match="ffn='fast'"):
         G.inference_configs(cfg, "fast")
     with pytest.raises(ValueError, match="needs a ReLU FFN"):

@@ -68,6 +68,12 @@ def test_config_mapping():
     assert silu.n_kv_heads is None and silu.dtype == "bfloat16"
     assert hf.eos_token_ids(hf.read_config(FIXTURES / "relu_gqa")) == (2,)
     assert hf.eos_token_ids({"eos_token_id": [2, 7]}) == (2, 7)
+    # float16 tensors load exactly as float32 (the kernels compute in bf16 or fp32); a
+    # null `dtype` beside the older `torch_dtype` is the latter.
+    base = {k: v for k, v in hf.read_config(FIXTURES / "relu_gqa").items() if k != "dtype"}
+    assert hf.config_from_hf({**base, "torch_dtype": "float16"}).dtype == "float32"
+    old_spelling = hf.config_from_hf({**base, "dtype": None, "torch_dtype": "bfloat16"})
+    assert old_spelling.dtype == old_spelling.param_dtype == "bfloat16"
 
 
 def test_pre_transformers_5_config_spelling(tmp_path):
@@ -124,6 +130,14 @@ def test_missing_extra_and_misshapen_tensors(tmp_path):
         hf.load_params(write("wide", wide), cfg)
     with pytest.raises(FileNotFoundError, match=r"no config\.json"):
         hf.load_checkpoint(tmp_path)
+    # An index that places a tensor in a shard without it.
+    listed = write("listed", missing)
+    names = {**dict.fromkeys(missing, "model.safetensors"), "model.layers.0.mlp.up_proj.weight":
+             "model.safetensors"}  # fmt: skip
+    (listed / "model.safetensors.index.json").write_text(json.dumps({"weight_map": names}))
+    with pytest.raises(ValueError, match=r"no tensor 'model\.layers\.0\.mlp\.up_proj\.weight',"
+                       r" which model\.safetensors\.index\.json places there"):  # fmt: skip
+        hf.load_params(listed, cfg)
 
 
 @pytest.mark.parametrize("tied", [False, True])

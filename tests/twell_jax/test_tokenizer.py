@@ -51,6 +51,10 @@ def test_bpe_errors(tmp_path):
     tokenizer.train_bpe_from_texts(CORPUS, vocab_size=280, out_path=out)
     with pytest.raises(ValueError, match="<nope>"):
         tokenizer.HFTokenizer(out, eos_token="<nope>")
+    # The EOS by id (a model config's eos_token_id), whatever its name.
+    assert tokenizer.HFTokenizer(out, eos_id=65).eos_id == 65
+    with pytest.raises(ValueError, match="no token of eos id 100000"):
+        tokenizer.HFTokenizer(out, eos_id=100000)
 
 
 def test_load_tokenizer_errors(tmp_path):

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from twell_jax.config import DTYPES, ModelConfig
+from twell_jax.config import ModelConfig
 
 CONFIG_FILE = "config.json"
 ARCHITECTURE = "LlamaForCausalLM"
@@ -94,7 +94,8 @@ def config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
       hf: the config dict.
       **overrides: ModelConfig fields to set instead (e.g. dtype="float32",
         ffn_impl="twell"). By default the compute and parameter dtypes are the
-        checkpoint's `dtype` (`torch_dtype` before transformers 5), else float32.
+        checkpoint's `dtype` (`torch_dtype` before transformers 5) when it is bfloat16,
+        else float32.
 
     Raises:
       ValueError: a field our model cannot compute (named), a required field missing,
@@ -109,8 +110,10 @@ def config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
     get = lambda k: hf.get(k, _HF_DEFAULTS[k])
     heads = hf["num_attention_heads"]
     kv_heads = hf.get("num_key_value_heads") or heads
-    dtype = hf.get("dtype", hf.get("torch_dtype"))
-    dtype = dtype if dtype in DTYPES else "float32"
+    dtype = hf.get("dtype") or hf.get("torch_dtype")
+    # float16 (and any other) tensors load exactly as float32: the kernels compute in
+    # bfloat16 or float32 (dtype="bfloat16" overrides for speed).
+    dtype = dtype if dtype in ("float32", "bfloat16") else "float32"
     fields = dict(
         vocab_size=hf["vocab_size"],
         d_model=hf["hidden_size"],

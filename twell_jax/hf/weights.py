@@ -151,6 +151,7 @@ class _Reader:
         self.dir = Path(hf_dir)
         self._safe_open = _safetensors().safe_open
         self._open: dict[str, Any] = {}
+        self._keys: dict[str, set[str]] = {}  # the tensors each open file holds
         if (self.dir / INDEX_FILE).is_file():
             try:
                 self.weight_map = json.loads((self.dir / INDEX_FILE).read_text())["weight_map"]
@@ -173,17 +174,25 @@ class _Reader:
                 raise ValueError(f"{path}: not a readable safetensors file: {e}") from e
         return self._open[name]
 
-    def shape(self, name: str) -> tuple[int, ...]:
-        """The shape of tensor `name`, from the file's header (no data is read)."""
+    def _file_of(self, name: str) -> Any:
+        """The open file that the index says holds tensor `name`."""
         if name not in self.weight_map:
             raise ValueError(f"{self.dir}: no tensor {name!r}, which the config implies")
-        return tuple(self._file(self.weight_map[name]).get_slice(name).get_shape())
+        f = self._file(self.weight_map[name])
+        if name not in self._keys.setdefault(self.weight_map[name], set(f.keys())):
+            raise ValueError(
+                f"{self.dir / self.weight_map[name]}: no tensor {name!r}, which "
+                f"{INDEX_FILE} places there"
+            )
+        return f
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The shape of tensor `name`, from the file's header (no data is read)."""
+        return tuple(self._file_of(name).get_slice(name).get_shape())
 
     def get(self, name: str) -> np.ndarray:
         """The tensor `name` as a numpy array in its stored dtype."""
-        if name not in self.weight_map:
-            raise ValueError(f"{self.dir}: no tensor {name!r}, which the config implies")
-        return self._file(self.weight_map[name]).get_tensor(name)
+        return self._file_of(name).get_tensor(name)
 
     def __enter__(self) -> _Reader:
         return self
