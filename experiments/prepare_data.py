@@ -27,6 +27,7 @@ Examples:
 """
 
 import shutil
+import tempfile
 from pathlib import Path
 
 from absl import app, flags, logging
@@ -70,11 +71,18 @@ def _documents():
 def _prepare(source: str) -> dict:
     """Prepares --data_dir from the selected corpus; returns its meta."""
     if _BPE_VOCAB_SIZE.value:
-        tok = corpus.train_corpus_bpe(
-            _documents(), _DATA_DIR.value, _BPE_VOCAB_SIZE.value, _VAL_FRACTION.value
-        )
-    else:
-        tok = tokenizer.load_tokenizer(_TOKENIZER.value)
+        # Trained outside --data_dir: `prepare_corpus` copies it in with the shards, so
+        # an --overwrite that is refused leaves the old corpus and its tokenizer whole.
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / corpus.TOKENIZER_FILE
+            tok = corpus.train_corpus_bpe(
+                _documents(), out, _BPE_VOCAB_SIZE.value, _VAL_FRACTION.value
+            )
+            return _prepare_with(tok, source)
+    return _prepare_with(tokenizer.load_tokenizer(_TOKENIZER.value), source)
+
+
+def _prepare_with(tok, source: str) -> dict:
     return corpus.prepare_corpus(
         _documents(),
         _DATA_DIR.value,

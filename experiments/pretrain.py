@@ -118,9 +118,12 @@ _INIT_FROM_HF = flags.DEFINE_string(
 )
 _RESUME = flags.DEFINE_bool("resume", True, "Continue from the newest checkpoint in --workdir.")
 _STOP_AT = flags.DEFINE_integer(
-    "stop_at", 0, "If > 0, save and exit after this step; the schedule still runs to --steps."
+    "stop_at",
+    0,
+    "If > 0, save and exit after this step; the schedule still runs to --steps.",
+    lower_bound=0,
 )
-_MAX_TO_KEEP = flags.DEFINE_integer("max_to_keep", 3, "Checkpoints kept (0: all).")
+_MAX_TO_KEEP = flags.DEFINE_integer("max_to_keep", 3, "Checkpoints kept (0: all).", lower_bound=0)
 _ALLOW_SCHEDULE_CHANGE = flags.DEFINE_bool(
     "allow_schedule_change",
     False,
@@ -282,10 +285,10 @@ def main(argv):
         _RESUME.value,
     )
 
-    if _DATA_DIR.value == corpus.DEFAULT_DATA_DIR:
-        corpus.ensure_default_data(_DATA_DIR.value)  # zero-setup default corpus
     # A missing corpus is refused before --init_from_hf's checks, which read it.
     try:
+        if _DATA_DIR.value == corpus.DEFAULT_DATA_DIR:
+            corpus.ensure_default_data(_DATA_DIR.value)  # zero-setup default corpus
         corpus.load_meta(_DATA_DIR.value)
     except (FileNotFoundError, ValueError) as e:
         logging.error("refused: %s", e)

@@ -32,7 +32,7 @@ def _require(obj: Any, field: str, ok: bool, why: str) -> None:
 
 def _require_positive(obj: Any, *fields: str) -> None:
     for field in fields:
-        _require(obj, field, getattr(obj, field) > 0, "must be > 0")
+        _require(obj, field, 0 < getattr(obj, field) < math.inf, "must be > 0 and finite")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,8 +103,6 @@ class ModelConfig:
     def __post_init__(self):
         _require_positive(self, "vocab_size", "d_model", "d_ff", "n_layers", "n_heads", "seq_len")
         _require_positive(self, "rope_theta", "norm_eps", "init_std")
-        for field in ("rope_theta", "norm_eps", "init_std"):
-            _require(self, field, math.isfinite(getattr(self, field)), "must be finite")
         _require(
             self, "ffn_variant", self.ffn_variant in FFN_VARIANTS, f"must be one of {FFN_VARIANTS}"
         )
@@ -236,7 +234,7 @@ class SparsityConfig:
     sparse_recheck_every: int = 20
 
     def __post_init__(self):
-        _require(self, "l1_coef", self.l1_coef >= 0, "must be >= 0")
+        _require(self, "l1_coef", 0 <= self.l1_coef < math.inf, "must be >= 0 and finite")
         _require(self, "l1_warmup_steps", self.l1_warmup_steps >= 0, "must be >= 0")
         _require(self, "l1_target", self.l1_target in L1_TARGETS, f"must be one of {L1_TARGETS}")
         _require(
@@ -287,7 +285,7 @@ class OptimConfig:
             len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
             "must be two values in [0, 1)",
         )
-        _require(self, "weight_decay", self.weight_decay >= 0, "must be >= 0")
+        _require(self, "weight_decay", 0 <= self.weight_decay < math.inf, "must be >= 0 and finite")
         _require(
             self,
             "warmup_steps",
@@ -325,6 +323,8 @@ class TrainConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "mesh_shape", tuple(self.mesh_shape))
+        # The data order's PRNG takes 32-bit seeds.
+        _require(self, "seed", 0 <= self.seed < 2**32, "must be in [0, 2**32)")
         _require_positive(
             self,
             "batch_size",

@@ -54,7 +54,7 @@ def is_val(key: str, val_fraction: float) -> bool:
 
 def train_corpus_bpe(
     documents: Iterable[Document],
-    data_dir: str | os.PathLike,
+    out_path: str | os.PathLike,
     vocab_size: int,
     val_fraction: float = 0.01,
 ) -> tokenizer_lib.HFTokenizer:
@@ -64,8 +64,10 @@ def train_corpus_bpe(
     validation loss is measured on text the tokenizer has not seen.
 
     Returns:
-      The tokenizer, saved as `data_dir/tokenizer.json`; pass it to `prepare_corpus`. A
-      corpus too small for `vocab_size` gives a smaller vocabulary (logged as a warning).
+      The tokenizer, saved as the tokenizer.json `out_path`; pass it to `prepare_corpus`,
+      which copies it into its data_dir with the shards (so train it outside a prepared
+      data_dir: a refused preparation then leaves that corpus whole). A corpus too small
+      for `vocab_size` gives a smaller vocabulary (logged as a warning).
     """
     texts = [d.text for d in documents if not is_val(d.key, val_fraction)]
     if not any(texts):
@@ -74,7 +76,7 @@ def train_corpus_bpe(
             if texts
             else "no text to train a BPE on: the corpus has no training documents"
         )
-    tok = tokenizer_lib.train_bpe_from_texts(texts, vocab_size, Path(data_dir) / TOKENIZER_FILE)
+    tok = tokenizer_lib.train_bpe_from_texts(texts, vocab_size, out_path)
     if tok.vocab_size < vocab_size:
         logging.warning(
             "BPE vocabulary of %d tokens, not the %d requested: the training text is too "

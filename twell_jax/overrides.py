@@ -77,6 +77,8 @@ def with_overrides(cfg: Any, overrides: dict[str, Any]) -> Any:
     grouped: dict[str, Any] = {}
     for key, value in overrides.items():
         head, _, rest = key.partition(".")
+        if head in grouped and isinstance(grouped[head], dict) != bool(rest):
+            raise ValueError(f"{head!r} is overridden both whole and by its fields")
         if rest:
             grouped.setdefault(head, {})[rest] = value
         else:
@@ -92,6 +94,10 @@ def with_overrides(cfg: Any, overrides: dict[str, Any]) -> Any:
             if not isinstance(value, dict):
                 raise ValueError(f"{name!r} is a config section: override {name}.<field>")
             value = with_overrides(current, value)
+        elif isinstance(value, dict):
+            raise ValueError(
+                f"{type(cfg).__name__}.{name} is not a config section: override {name}=<value>"
+            )
         elif isinstance(value, str) and not isinstance(current, str):
             try:
                 value = _parse(value, current, hints[name])

@@ -58,7 +58,8 @@ class ScheduleChangeError(ValueError):
 
 
 class ResumeRefusedError(ValueError):
-    """The workdir holds checkpoints but the run was told not to resume."""
+    """The workdir holds checkpoints that the run cannot resume as asked: resume is
+    off, or the corpus is not the one their data position was saved on."""
 
 
 class WorkdirLockedError(RuntimeError):

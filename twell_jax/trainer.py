@@ -108,13 +108,16 @@ def check_run(cfg: TrainConfig, data_dir: str) -> Checked:
     """The checks of a run that need no workdir, so that `run` (and a CLI before it)
     refuses a bad config before anything is written: the corpus is prepared and fits the
     vocabulary, the mesh fits the devices, the micro-batch splits over it, one train step
-    fits in memory, and the train split holds a batch.
+    fits in memory, the train split holds a batch and the validation shards are whole (a
+    split too small for a batch only turns validation off, `run_data.Evaluator`).
 
     Raises:
-      FileNotFoundError: `data_dir` is not a prepared corpus.
-      ValueError: naming what does not fit (`StepMemoryError` for the memory).
+      FileNotFoundError: `data_dir` is not a prepared corpus, or a shard is missing.
+      ValueError: naming what does not fit (`StepMemoryError` for the memory), or a
+        shard whose size is not meta.json's.
     """
     meta = corpus.load_meta(data_dir)
+    corpus.open_shards(data_dir, "val", meta)
     run_data.check_vocab(cfg, meta, data_dir)
     mesh = sharding.make_mesh(*cfg.mesh_shape)
     train.check_batch_split(cfg, mesh)
@@ -161,7 +164,13 @@ def _restore_or_init(cfg, mesh, ckpt, train_iter, opts) -> tuple[train.TrainStat
         )
     data_state = dict(restored.data_state)
     skipped = int(data_state.pop(SKIPPED_KEY, 0))
-    train_iter.set_state(data_state)
+    try:
+        train_iter.set_state(data_state)
+    except ValueError as e:  # another corpus, or the same one prepared again
+        raise ResumeRefusedError(
+            f"{ckpt.directory}: cannot resume on {opts.data_dir}: {e}; resume on the run's "
+            "corpus, or use a fresh workdir"
+        ) from e
     logging.info("resumed from checkpoint step %d in %s", restored.step, ckpt.directory)
     return restored.state, skipped
 
@@ -296,7 +305,10 @@ class _Trainer:
         pending: list[tuple[int, dict[str, jax.Array]]] = []
         joules = self.meter.joules if self.meter else None
         timer, compiled = progress.RunTimer(total, clock=self.clock, energy=joules), False
-        while self.step < total:
+        end = min(total, self.opts.stop_at) if self.opts.stop_at else total
+        if self.step >= end:
+            logging.info("step %d: nothing to train (stop_at=%d)", self.step, end)
+        while self.step < end:
             batch = run_data.global_batch(next(self.train_iter), self.placement, cfg.batch_size)
             self.state, step_metrics = self.train_step(self.state, batch)
             self.step += 1
@@ -311,8 +323,10 @@ class _Trainer:
             else:
                 timer.count_step()
 
-            log_now = self.step % cfg.log_every == 0 or self.step == total
-            if log_now:
+            log_now = self.step % cfg.log_every == 0 or self.step == end
+            # Multi-host: agree on stopping at log steps only (it is a collective).
+            requested = (jax.process_count() == 1 or log_now) and stop.agreed()
+            if log_now or requested:  # a stop between log steps logs its steps too
                 # Dispatch is asynchronous: wait for the device before reading the clock.
                 jax.block_until_ready(step_metrics)
                 interval = timer.interval()
@@ -325,11 +339,9 @@ class _Trainer:
                     self._eval()
             if self.step % cfg.checkpoint_every == 0:
                 self._save()
-            if self.opts.stop_at and self.step >= self.opts.stop_at:
+            if self.step == end < total:
                 logging.info("stop_at=%d reached", self.opts.stop_at)
-                break
-            # Multi-host: agree on stopping at log steps only (it is a collective).
-            if (jax.process_count() == 1 or log_now) and stop.agreed():
+            if requested:
                 logging.warning("stopped at step %d on request", self.step)
                 self.summary["interrupted"] = True
                 self.summary["signal"] = stop.signal or "SIGINT"

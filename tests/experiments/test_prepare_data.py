@@ -27,6 +27,15 @@ def test_prepare_data_cli_with_bpe(tmp_path):
     assert len(stream) < sum(len(t.encode()) for t in texts)  # BPE merges
     decoded = tok.decode(stream[: np.argmax(stream == tok.eos_id)])
     assert decoded in texts
+    # A refused --overwrite trains its BPE outside the corpus: the old one stays whole.
+    before = (out / corpus.TOKENIZER_FILE).read_bytes()
+    other = tmp_path / "other.txt"
+    other.write_text("quite different words entirely, " * 50)
+    refused = run_module("prepare_data", f"--data_dir={out}", f"--inputs={other}",
+                         "--bpe_vocab_size=280", "--overwrite", "--val_fraction=-0.5")  # fmt: skip
+    assert "val_fraction must be in [0, 1)" in refusal(refused)
+    assert (out / corpus.TOKENIZER_FILE).read_bytes() == before
+    assert corpus.load_meta(out) == meta
 
 
 def _run(tmp_path, *args):

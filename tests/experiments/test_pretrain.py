@@ -257,6 +257,8 @@ def test_energy_flag_logs_joules_per_token_or_stops_before_writing(tmp_path, dat
         ("--ffn_impl=bogus", "ModelConfig.ffn_impl='bogus': must be one of"),
         ("--steps=0", "OptimConfig.total_steps=0: must be > 0"),
         ("--set=model", "--set='model': expected section.field=value"),
+        ("--set=seed.x=1", "TrainConfig.seed is not a config section"),
+        ("--lr=inf", "OptimConfig.lr=inf: must be > 0 and finite"),
         ("stray", "unexpected arguments ['stray'] (flags take --name=value)"),
     ],
 )

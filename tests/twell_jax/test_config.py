@@ -32,11 +32,11 @@ from twell_jax import model as M
         (dict(sparse_ell_width=2), "sparse_ell_width=2: "),
         (dict(n_layers=0), "n_layers"),
         (dict(d_model=96, n_heads=32), "n_heads"),  # head_dim 3: odd, no RoPE pairs
-        (dict(rope_theta=float("inf")), "rope_theta=inf: must be finite"),
+        (dict(rope_theta=float("inf")), "rope_theta=inf: must be > 0 and finite"),
         (dict(rope_theta=float("nan")), "rope_theta=nan: must be > 0"),
         (dict(rope_theta=0.0), "rope_theta=0.0: must be > 0"),
         (dict(rope_theta=-1e4), r"rope_theta=-10000.0: must be > 0"),
-        (dict(norm_eps=float("inf")), "norm_eps=inf: must be finite"),
+        (dict(norm_eps=float("inf")), "norm_eps=inf: must be > 0 and finite"),
     ],
 )
 def test_model_config_validation(overrides, field):
@@ -57,6 +57,17 @@ def test_train_config_validation():
         C.SparsityConfig(l1_target="gradients")
     with pytest.raises(ValueError, match=r"TrainConfig\.mesh_shape="):
         C.TrainConfig(mesh_shape=(-1, -1))
+    # Values a run would only fail on later: the data order's 32-bit seed, and
+    # non-finite rates that make it diverge at once.
+    for seed in (-1, 2**32):
+        with pytest.raises(ValueError, match=rf"TrainConfig\.seed={seed}: must be in"):
+            C.TrainConfig(seed=seed)
+    with pytest.raises(ValueError, match=r"OptimConfig\.lr=inf: must be > 0 and finite"):
+        C.OptimConfig(lr=float("inf"))
+    with pytest.raises(ValueError, match=r"OptimConfig\.weight_decay=nan: must be >= 0"):
+        C.OptimConfig(weight_decay=float("nan"))
+    with pytest.raises(ValueError, match=r"SparsityConfig\.l1_coef=inf: must be >= 0 and fin"):
+        C.SparsityConfig(l1_coef=float("inf"))
 
 
 @pytest.mark.parametrize(

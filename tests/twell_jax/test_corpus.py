@@ -85,7 +85,7 @@ def test_empty_inputs_are_errors(tmp_path):
         corpus.prepare_corpus(docs, tmp_path / "o2", tok, source="t")
     assert not (tmp_path / "o2" / corpus.META_FILE).exists()
     with pytest.raises(ValueError, match="no text to train a BPE on"):
-        corpus.train_corpus_bpe(docs, tmp_path / "o3", 300, val_fraction=0)
+        corpus.train_corpus_bpe(docs, tmp_path / "o3.json", 300, val_fraction=0)
 
 
 def test_too_small_for_val_warns_with_counts(tmp_path, monkeypatch):

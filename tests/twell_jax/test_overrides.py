@@ -61,3 +61,17 @@ def test_assignments_split_at_the_first_equals_sign():
 def test_unparsable_values_name_the_field_and_value(key, value, message):
     with pytest.raises(ValueError, match=message):
         overrides.with_overrides(C.train_preset("tiny"), {key: value})
+
+
+@pytest.mark.parametrize(
+    "given, message",
+    [
+        ({"seed.x": "1"}, r"TrainConfig\.seed is not a config section: override seed=<value>"),
+        ({"model.d_ff.x": "3"}, r"ModelConfig\.d_ff is not a config section"),
+        ({"model": "1", "model.d_ff": "256"}, "'model' is overridden both whole and by its"),
+        ({"batch_size.foo": "3", "batch_size": "4"}, "'batch_size' is overridden both"),
+    ],
+)
+def test_a_field_and_a_section_are_not_mixed_up(given, message):
+    with pytest.raises(ValueError, match=message):
+        overrides.with_overrides(C.train_preset("tiny"), given)

@@ -305,3 +305,67 @@ def test_a_run_records_its_corpus_and_readers_check_a_given_one(tmp_path, finish
     with pytest.raises(FileNotFoundError, match="elsewhere, which is not here"):
         run_data.run_data_dir(moved)
     assert run_data.run_data_dir(moved, data_dir) == data_dir  # a copy, same fingerprint
+
+
+# --- stopping early ---------------------------------------------------------------
+
+
+def _train_steps(workdir) -> list[int]:
+    records = metrics.read_metrics(pathlib.Path(workdir) / metrics.METRICS_FILE)
+    return [r["step"] for r in records if r["kind"] == "train"]
+
+
+def test_stop_at_logs_its_steps_and_a_rerun_past_it_trains_nothing(tmp_path, data_dir):
+    cfg = tiny_config(steps=6, log_every=4)
+    opts = trainer.RunOptions(str(tmp_path / "run"), data_dir, stop_at=3)
+    assert trainer.run(cfg, opts)["step"] == 3
+    assert _train_steps(opts.workdir) == [3]  # steps 1-3, logged at the stop
+    assert trainer.run(cfg, opts)["step"] == 3  # already there: no step trained
+    assert checkpoint.Checkpointer(tmp_path / "run" / trainer.CHECKPOINT_DIR).all_steps() == [3]
+    assert trainer.run(cfg, dataclasses.replace(opts, stop_at=0))["step"] == 6
+    assert _train_steps(opts.workdir) == [3, 4, 6]
+
+
+def test_a_stop_request_between_log_steps_logs_the_steps_it_ran(tmp_path, data_dir, monkeypatch):
+    class StopAtThirdStep(run_guards.StopRequest):
+        polls = 0
+
+        def agreed(self):
+            StopAtThirdStep.polls += 1
+            self.signal = "SIGTERM"
+            return StopAtThirdStep.polls >= 3
+
+    monkeypatch.setattr(trainer, "StopRequest", StopAtThirdStep)
+    opts = trainer.RunOptions(str(tmp_path / "run"), data_dir)
+    summary = trainer.run(tiny_config(steps=6, log_every=4), opts)
+    assert summary["step"] == 3 and summary["interrupted"] and summary["signal"] == "SIGTERM"
+    assert _train_steps(opts.workdir) == [3]
+
+
+def test_resuming_on_another_corpus_is_refused_naming_it(tmp_path, finished, data_dir):
+    other = tmp_path / "other"
+    paths, _ = write_text_corpus(tmp_path / "text")
+    prepare_byte_corpus(paths[:1], other)  # the same tokenizer, other tokens
+    workdir = _copy(finished, tmp_path)
+    with pytest.raises(run_guards.ResumeRefusedError, match=f"cannot resume on {other}"):
+        trainer.run(tiny_config(), trainer.RunOptions(str(workdir), str(other)))
+
+
+def test_a_missing_or_truncated_val_shard_is_refused_before_the_workdir(tmp_path, data_dir):
+    for damage in ("missing", "truncated"):
+        corpus_dir = tmp_path / damage
+        shutil.copytree(data_dir, corpus_dir)
+        shard = (
+            corpus_dir
+            / json.loads((corpus_dir / "meta.json").read_text())["splits"]["val"]["shards"][0][
+                "file"
+            ]
+        )
+        if damage == "missing":
+            shard.unlink()
+        else:
+            shard.write_bytes(shard.read_bytes()[:10])
+        workdir = tmp_path / f"run_{damage}"
+        with pytest.raises((FileNotFoundError, ValueError), match=f"{shard.name}"):
+            trainer.run(tiny_config(), trainer.RunOptions(str(workdir), str(corpus_dir)))
+        assert not workdir.exists()
