@@ -47,13 +47,3 @@ def gated_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Arra
 def mlp(x: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
     """relu(x Wu^T) Wd, the dense non-gated MLP. [M, H] in x.dtype."""
     return _down(hidden(x, w_up), w_down)
-
-
-def l1_of_hidden(h: jax.Array) -> jax.Array:
-    """Mean over tokens of sum over N of |h| (docs/design.md §2), fp32 scalar."""
-    return jnp.mean(jnp.sum(jnp.abs(h.astype(jnp.float32)), axis=-1))
-
-
-def l0_of_hidden(h: jax.Array) -> jax.Array:
-    """Mean over tokens of the number of non-zeros per row, fp32 scalar."""
-    return jnp.mean(jnp.sum((h != 0).astype(jnp.float32), axis=-1))

@@ -218,13 +218,9 @@ def make_train_iterator(
     return DataIterator(iter(ds.to_iter_dataset(read)), fingerprint)
 
 
-def make_val_iterator(
-    cfg: DataConfig,
-    num_batches: int,
-    process_index: int | None = None,
-    process_count: int | None = None,
-) -> Iterator[dict[str, np.ndarray]]:
-    """Returns a fresh iterator over the first validation batches, in order (no shuffle).
+def make_val_iterator(cfg: DataConfig, num_batches: int) -> Iterator[dict[str, np.ndarray]]:
+    """Returns a fresh iterator over this process's rows (`jax.process_index()` of
+    `jax.process_count()`) of the first validation batches, in order (no shuffle).
 
     Every call yields the same batches, so evaluations are comparable across steps. All
     processes yield the same number of batches.
@@ -232,14 +228,13 @@ def make_val_iterator(
     Args:
       cfg: the data config (`seq_len`, `batch_size`, `data_dir` are used).
       num_batches: at most this many batches; fewer if the val split is smaller.
-      process_index / process_count: as in `make_train_iterator`.
 
     Yields:
       {"inputs": int32 [B_p, S], "targets": int32 [B_p, S]}.
     """
     if num_batches < 1:
         raise ValueError(f"num_batches must be >= 1, got {num_batches}")
-    ds, per_process, full_batches, _ = _windows(cfg, "val", process_index, process_count)
+    ds, per_process, full_batches, _ = _windows(cfg, "val", None, None)
     n = min(num_batches, full_batches)
     ds = ds[: n * per_process].batch(per_process, drop_remainder=True).map(_split_inputs_targets)
     return iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=cfg.num_threads)))

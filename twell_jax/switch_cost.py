@@ -40,6 +40,10 @@ L0_GRID = (2.0, 4.0, 8.0, 16.0, 32.0, 48.0, 64.0, 96.0)
 _SIGMA = {"uniform": 1.0, "skew": 1.0, "heavy_rows": 0.35}
 # (low, high, shift) of a share that moves no cutoff.
 _NO_SHIFT = (0.0, 1.0, 0.0)
+# Untimed calls of each branch before each run of timed ones.
+_WARMUP = 3
+# l0 values, evenly spaced in log l0, at which `max_regret_between` judges the rule.
+_BETWEEN_POINTS = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,9 +77,9 @@ def crossover(l0_grid, ratios) -> float:
     return float(l0_grid[-1])
 
 
-def _call_times_ms(fn, args, warmup: int, reps: int) -> list[float]:
-    """ms of each of `reps` synchronised calls of fn(*args), after `warmup` calls."""
-    for _ in range(warmup):
+def _call_times_ms(fn, args, reps: int) -> list[float]:
+    """ms of each of `reps` synchronised calls of fn(*args), after `_WARMUP` calls."""
+    for _ in range(_WARMUP):
         jax.block_until_ready(fn(*args))
     times = []
     for _ in range(reps):
@@ -105,7 +109,7 @@ def _sparse_stats_fn(ell_width: int):
     return jax.jit(shares)
 
 
-def _time_pattern(shape, grid, pattern, sigma, fns, reps, warmup) -> dict:
+def _time_pattern(shape, grid, pattern, sigma, fns, reps) -> dict:
     """One pattern over the l0 grid: l0, both branches' ms, their ratio and the layer's
     hot share and tail load at each point."""
     dense, sparse, shares = fns
@@ -119,8 +123,8 @@ def _time_pattern(shape, grid, pattern, sigma, fns, reps, warmup) -> dict:
         g = jax.random.normal(jax.random.key(i), x.shape, x.dtype)
         d_ms, s_ms = [], []
         for _ in range(2):  # dense, sparse, dense, sparse
-            d_ms += _call_times_ms(dense, (x, w, g), warmup, reps // 2)
-            s_ms += _call_times_ms(sparse, (x, w, g), warmup, reps // 2)
+            d_ms += _call_times_ms(dense, (x, w, g), reps // 2)
+            s_ms += _call_times_ms(sparse, (x, w, g), reps // 2)
         hot, tail = shares(x, w)
         rec["l0"].append(float(jnp.mean(jnp.sum(jnp.einsum("mh,nh->mn", x, wg) > 0, axis=1))))
         rec["dense_ms"].append(statistics.median(d_ms))
@@ -135,7 +139,6 @@ def measure(
     shape: LayerShape,
     l0_grid=L0_GRID,
     reps: int = 10,
-    warmup: int = 3,
     holdout: dict[str, tuple[str, float]] | None = None,
 ) -> dict:
     """Times both branches of the switch at `shape` on every pattern and grid point,
@@ -156,25 +159,26 @@ def measure(
     fns = (dense, sparse, _sparse_stats_fn(shape.ell_width))
     grid = [g for g in l0_grid if g < shape.n / 4]
     per_pattern = {
-        p: _time_pattern(shape, grid, p, _SIGMA[p], fns, reps, warmup) for p in synthetic.PATTERNS
+        p: _time_pattern(shape, grid, p, _SIGMA[p], fns, reps) for p in synthetic.PATTERNS
     }
     rule = fit_rule(per_pattern, grid)
+    sp = rule_config(rule)
     result = {
         "shape": dataclasses.asdict(shape),
         "device": jax.devices()[0].device_kind,
         "l0_grid": grid,
         "patterns": per_pattern,
         **rule,
-        "max_regret": max_regret(per_pattern, rule_config(rule)),
-        "max_regret_between": max_regret_between(per_pattern, rule_config(rule)),
+        "max_regret": max_regret(per_pattern, sp),
+        "max_regret_between": max_regret_between(per_pattern, sp),
     }
     if holdout:
         held = {
-            name: _time_pattern(shape, grid, p, sigma, fns, reps, warmup)
+            name: _time_pattern(shape, grid, p, sigma, fns, reps)
             for name, (p, sigma) in holdout.items()
         }
         result["holdout"] = held
-        result["holdout_max_regret_between"] = max_regret_between(held, rule_config(rule))
+        result["holdout_max_regret_between"] = max_regret_between(held, sp)
     return result
 
 
@@ -215,13 +219,9 @@ def fit_rule(per_pattern: dict, grid) -> dict:
     return {"cutoff": base, "hot_shift": shift, "cutoffs": cutoffs}
 
 
-def rule_config(rule: SparsityConfig | dict | float) -> SparsityConfig:
-    """A SparsityConfig deciding as `rule` (one already, `fit_rule`'s keys, or a plain
-    l0 cutoff)."""
-    if isinstance(rule, SparsityConfig):
-        return rule
-    if not isinstance(rule, dict):
-        return SparsityConfig(sparse_l0_cutoff=float(rule))
+def rule_config(rule: dict) -> SparsityConfig:
+    """A SparsityConfig deciding as `rule` (`fit_rule`'s keys; without "hot_shift", as
+    in older records, a plain l0 cutoff)."""
     hot_shift = tuple(rule.get("hot_shift", _NO_SHIFT))
     return SparsityConfig(sparse_l0_cutoff=rule["cutoff"], sparse_hot_shift=hot_shift)
 
@@ -237,11 +237,10 @@ def _sparse_chosen(rec: dict, l0_values, sp: SparsityConfig) -> np.ndarray:
     return np.asarray(sparsity.sparse_wins(l0_values, *stats, sp))
 
 
-def max_regret(per_pattern: dict, rule: SparsityConfig | float) -> float:
+def max_regret(per_pattern: dict, sp: SparsityConfig) -> float:
     """How much slower than the faster branch the switch runs at worst, over the
-    measured patterns and l0 values (0.05: 5% slower), with `rule` (a SparsityConfig or
-    a plain l0 cutoff) deciding."""
-    sp = rule_config(rule)
+    measured patterns and l0 values (0.05: 5% slower), with `sp`'s rule deciding
+    (`rule_config`)."""
     worst = 0.0
     for rec in per_pattern.values():
         chosen_sparse = _sparse_chosen(rec, rec["l0"], sp)
@@ -271,18 +270,17 @@ def _ratio_between(rec: dict, fine) -> np.ndarray:
     return np.exp(out)
 
 
-def max_regret_between(per_pattern: dict, rule: SparsityConfig | float, points: int = 256) -> float:
+def max_regret_between(per_pattern: dict, sp: SparsityConfig) -> float:
     """`max_regret` between the measured points too: each pattern's sparse / dense ratio
     and its statistics interpolated linearly in log l0 (the ratio in log, as `crossover`
     does, within each regime of the dense tail: `_ratio_between`), and evaluated at
-    `points` l0 values spaced evenly in log l0 over the measured range. A pattern whose
-    own crossover lies away from the cutoff the rule gives it is decided wrongly
-    between the two, which the measured points alone do not see."""
-    sp = rule_config(rule)
+    `_BETWEEN_POINTS` l0 values spaced evenly in log l0 over the measured range. A
+    pattern whose own crossover lies away from the cutoff the rule gives it is decided
+    wrongly between the two, which the measured points alone do not see."""
     worst = 0.0
     for rec in per_pattern.values():
         log_l0 = np.log(rec["l0"])
-        fine = np.linspace(log_l0.min(), log_l0.max(), points)
+        fine = np.linspace(log_l0.min(), log_l0.max(), _BETWEEN_POINTS)
         ratio = _ratio_between(rec, fine)
         sparse_chosen = _sparse_chosen(rec, np.exp(fine), sp)
         slower = np.where(sparse_chosen, ratio, 1.0 / ratio)

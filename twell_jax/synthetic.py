@@ -33,6 +33,10 @@ from twell_jax.config import model_preset
 from twell_jax.model import Transformer
 
 PATTERNS = ("uniform", "skew", "heavy_rows")
+# `synthetic_sparse_params`: the seed of the model's initialisation, the calibration
+# tokens (seed + 1) and the skew's thresholds; steps of the bias bisection.
+_PARAMS_SEED = 0
+_BISECT_ROUNDS = 14
 
 
 def gate_pattern(
@@ -117,9 +121,7 @@ def _with_gate_bias(params: dict, bias: jax.Array, shape: jax.Array) -> dict:
 def synthetic_sparse_params(
     preset: str,
     nnz: float,
-    seed: int = 0,
     calib_tokens=(8, 2048),
-    rounds: int = 14,
     pattern: str = "uniform",
     sigma: float = 1.0,
 ) -> tuple[dict, np.ndarray]:
@@ -141,7 +143,7 @@ def synthetic_sparse_params(
             f"synthetic_sparse_params: pattern must be 'uniform' or 'skew', got {pattern!r}"
         )
     cfg = model_preset(preset, ffn_impl="dense", remat=False)
-    graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(seed)))
+    graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(_PARAMS_SEED)))
     params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), nnx.to_pure_dict(state))
     params["embed"] = params["embed"].at[:, 0].set(1.0)
     attn, ffn = params["blocks"]["attn"], params["blocks"]["ffn"]
@@ -150,7 +152,7 @@ def synthetic_sparse_params(
     attn["wo"] = attn["wo"].at[..., 0].set(0)  # [L, nH, D, H]: never write it
     for name in ("w_up", "w_down"):  # [L, N, H]
         ffn[name] = ffn[name].at[:, :, 0].set(0)
-    tokens = jax.random.randint(jax.random.key(seed + 1), calib_tokens, 0, cfg.vocab_size)
+    tokens = jax.random.randint(jax.random.key(_PARAMS_SEED + 1), calib_tokens, 0, cfg.vocab_size)
 
     @jax.jit
     def layer_l0(params):
@@ -159,11 +161,11 @@ def synthetic_sparse_params(
     shape = jnp.ones((cfg.n_layers, cfg.d_ff), jnp.float32)
     if pattern == "skew":
         q = statistics.NormalDist().inv_cdf(1.0 - min(max(nnz / cfg.d_ff, 1e-9), 0.5))
-        z = np.random.default_rng(seed).standard_normal((cfg.n_layers, cfg.d_ff))
+        z = np.random.default_rng(_PARAMS_SEED).standard_normal((cfg.n_layers, cfg.d_ff))
         shape = jnp.asarray(np.sqrt(1.0 + sigma**2) + sigma * z / q, jnp.float32)
     lo = jnp.full((cfg.n_layers,), 1e-3)
     hi = jnp.full((cfg.n_layers,), 1e3)
-    for _ in range(rounds):  # geometric bisection: l0 falls as the bias grows
+    for _ in range(_BISECT_ROUNDS):  # geometric bisection: l0 falls as the bias grows
         mid = jnp.sqrt(lo * hi)
         l0 = layer_l0(_with_gate_bias(params, mid, shape))
         lo = jnp.where(l0 > nnz, mid, lo)

@@ -157,21 +157,6 @@ def load_tokenizer(spec: str | os.PathLike) -> Tokenizer:
     return HFTokenizer(path)
 
 
-def train_bpe(
-    files: Sequence[str | os.PathLike], vocab_size: int, out_path: str | os.PathLike
-) -> HFTokenizer:
-    """Trains a byte-level BPE on UTF-8 text files; see `train_bpe_from_texts`.
-
-    Raises:
-      FileNotFoundError: one of `files` does not exist.
-    """
-    for f in files:
-        if not Path(f).is_file():
-            raise FileNotFoundError(f"BPE training file not found: {f}")
-    texts = (Path(f).read_text(encoding="utf-8", errors="replace") for f in files)
-    return train_bpe_from_texts(texts, vocab_size, out_path)
-
-
 def train_bpe_from_texts(
     texts: Iterable[str], vocab_size: int, out_path: str | os.PathLike
 ) -> HFTokenizer:

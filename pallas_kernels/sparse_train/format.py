@@ -135,7 +135,7 @@ def build_csc(
     ell_count: jax.Array,
     cols: jax.Array,
     col_counts: jax.Array,
-    exclude: jax.Array | None = None,
+    exclude: jax.Array,
 ) -> Csc:
     """Sorts the valid ELL slots by neuron (stable XLA sort, deterministic).
 
@@ -143,15 +143,13 @@ def build_csc(
         ell_count: int32 [M], ELL slots to use per row (`ell_counts`).
         cols: [M, W] ELL columns (int16 or int32).
         col_counts: int32 [N], `EllRows.col_counts` (valid slots per column).
-        exclude: optional bool [N], neurons left out of the index (empty segments; their
-            slots sort past offsets[N] with the unused ones).
+        exclude: bool [N], neurons left out of the index (empty segments; their slots
+            sort past offsets[N] with the unused ones).
     """
     m, width = cols.shape
     n = col_counts.shape[0]
-    valid = slot_mask(ell_count, width)
-    if exclude is not None:
-        valid &= ~exclude[cols]
-        col_counts = jnp.where(exclude, 0, col_counts)
+    valid = slot_mask(ell_count, width) & ~exclude[cols]
+    col_counts = jnp.where(exclude, 0, col_counts)
     # Keys as narrow as the column ids allow: the GPU radix sort then makes 2 passes
     # instead of 4 over the M W slots.
     key_dtype = jnp.uint16 if n < jnp.iinfo(jnp.uint16).max else jnp.int32
@@ -165,12 +163,3 @@ def build_csc(
     col_counts = lax.optimization_barrier((col_counts, slots))[0]
     offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(col_counts, dtype=jnp.int32)])
     return Csc(offsets, slots, heaviest_first(col_counts))
-
-
-def ell_to_dense(ell: EllRows, n: int, width: int | None = None) -> jax.Array:
-    """[M, N] dense matrix of the ELL part (rows with count > W give their first W)."""
-    m, w = ell.cols.shape
-    valid = slot_mask(jnp.minimum(ell.counts, w if width is None else width), w)
-    rows = jnp.arange(m, dtype=jnp.int32)[:, None]
-    cols = jnp.where(valid, ell.cols, n)
-    return jnp.zeros((m, n), ell.vals.dtype).at[rows, cols].set(ell.vals, mode="drop")

@@ -91,14 +91,12 @@ class HotPlan(NamedTuple):
             ascending id order, or when more are hot than K_max, those above the
             K_max-th largest count, then those at it (each group by id) up to K_max.
         index: int32 [N], a neuron's column in the dense block, K_max when not hot.
-        n_hot: int32 scalar, neurons with at least `min_count` entries (uncapped).
-        bucket: int32 scalar index into the capacities: the smallest that holds
-            `n_hot`, else the largest.
+        bucket: int32 scalar index into the capacities: the smallest that holds every
+            neuron with at least `min_count` entries, else the largest.
     """
 
     ids: jax.Array
     index: jax.Array
-    n_hot: jax.Array
     bucket: jax.Array
 
     def is_hot(self) -> jax.Array:
@@ -143,7 +141,7 @@ def plan_hot(
     ids = jnp.full((k_max,), n, jnp.int32).at[index].set(neurons, mode="drop")
     fits = n_hot > jnp.asarray(capacities, jnp.int32)
     bucket = jnp.minimum(jnp.sum(fits, dtype=jnp.int32), len(capacities) - 1)
-    return HotPlan(ids, index, n_hot, bucket)
+    return HotPlan(ids, index, bucket)
 
 
 def hot_weight_grads(

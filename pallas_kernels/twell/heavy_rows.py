@@ -80,7 +80,7 @@ def tail_rows(counts: jax.Array, slots: int, factor: float, min_entries: int) ->
 
 
 def plan(
-    counts: jax.Array, slots: int, factor: float = 0.0, min_entries: int = 0
+    counts: jax.Array, slots: int, factor: float, min_entries: int
 ) -> tuple[jax.Array, jax.Array, tuple[int, ...]]:
     """(bucket int32, rows int32 [C_max], caps) for a call's tile counts.
 

@@ -70,11 +70,11 @@ class TwellOptions:
     """Static choices of one op call (hashable: the custom_vjp's non-diff argument)."""
 
     gated: bool
-    compression: int = 8
-    high_precision: bool = False
-    impl: str = "auto"
-    d2t: PackConfig = PackConfig()
-    t2d: T2DConfig = T2DConfig()
+    compression: int
+    high_precision: bool
+    impl: str
+    d2t: PackConfig
+    t2d: T2DConfig
 
 
 def _check_inputs(x: jax.Array, weights: tuple[jax.Array, ...], opts: TwellOptions) -> None:

@@ -18,6 +18,11 @@ def test_crossover_interpolates_in_log_space():
     assert switch_cost.crossover([2, 4, 8], [0.5, 0.6, 0.9]) == 8.0  # no claim past the grid
 
 
+def _cutoff(l0):
+    """A plain l0 cutoff as the rule of a record without a shift (`rule_config`)."""
+    return switch_cost.rule_config({"cutoff": l0})
+
+
 def _record(cutoff_l0):
     """Fake per-pattern times: sparse 1 ms + l0 / cutoff_l0 ms against dense 2 ms."""
     grid = [2.0, 4.0, 8.0, 16.0]
@@ -34,31 +39,35 @@ def _record(cutoff_l0):
 
 def test_max_regret_counts_the_slower_choice():
     per_pattern = _record(8.0)  # sparse wins below l0 8 (equal at 8)
-    assert switch_cost.max_regret(per_pattern, 8.0) == pytest.approx(0.0)
+    assert switch_cost.max_regret(per_pattern, _cutoff(8.0)) == pytest.approx(0.0)
     # a cutoff of 20 runs sparse at l0 16 (3 ms against 2): 50% slower
-    assert switch_cost.max_regret(per_pattern, 20.0) == pytest.approx(0.5)
+    assert switch_cost.max_regret(per_pattern, _cutoff(20.0)) == pytest.approx(0.5)
     # a cutoff of 3 runs dense at l0 4 (2 ms against 1.5)
-    assert switch_cost.max_regret(per_pattern, 3.0) == pytest.approx(2.0 / 1.5 - 1)
+    assert switch_cost.max_regret(per_pattern, _cutoff(3.0)) == pytest.approx(2.0 / 1.5 - 1)
 
 
 def test_max_regret_between_sees_the_wrong_side_of_each_patterns_own_crossover():
     per_pattern = _record(8.0)  # ratio 0.625, 0.75, 1.0, 1.5 at l0 2, 4, 8, 16
-    assert switch_cost.max_regret_between(per_pattern, 8.0) == pytest.approx(0.0, abs=1e-9)
+    assert switch_cost.max_regret_between(per_pattern, _cutoff(8.0)) == pytest.approx(0.0, abs=1e-9)
     # A cutoff of 16 runs sparse up to l0 16, where the ratio reaches 1.5.
-    assert switch_cost.max_regret_between(per_pattern, 16.0) == pytest.approx(0.5, rel=0.02)
+    assert switch_cost.max_regret_between(per_pattern, _cutoff(16.0)) == pytest.approx(
+        0.5, rel=0.02
+    )
     # Cutoff 4: dense from l0 4 on, where sparse would take 0.75 of the time.
-    assert switch_cost.max_regret_between(per_pattern, 4.0) == pytest.approx(1 / 0.75 - 1, rel=0.02)
+    assert switch_cost.max_regret_between(per_pattern, _cutoff(4.0)) == pytest.approx(
+        1 / 0.75 - 1, rel=0.02
+    )
     # Between two measured points: cutoff 11.3 (log-midway 8 -> 16) runs sparse at
     # ratio sqrt(1.5) there, which the measured points (none in (8, 11.3)) do not show.
-    assert switch_cost.max_regret(per_pattern, 11.3) == pytest.approx(0.0)
-    assert switch_cost.max_regret_between(per_pattern, 11.3) == pytest.approx(
+    assert switch_cost.max_regret(per_pattern, _cutoff(11.3)) == pytest.approx(0.0)
+    assert switch_cost.max_regret_between(per_pattern, _cutoff(11.3)) == pytest.approx(
         1.5**0.5 - 1, rel=0.03
     )
     # Two patterns that cross at different l0: no cutoff is right for both.
     other = {k: [v * 1.3 for v in vs] if k == "sparse_ms" or k == "ratio" else vs
              for k, vs in per_pattern["uniform"].items()}  # fmt: skip
     both = {**per_pattern, "skew": other}
-    assert switch_cost.max_regret_between(both, 8.0) > 0.25
+    assert switch_cost.max_regret_between(both, _cutoff(8.0)) > 0.25
 
 
 def _pattern(crossover_l0, hot_share=0.0, tail_load=0.0):
@@ -81,12 +90,12 @@ def test_fit_rule_moves_the_cutoff_with_the_hot_share():
     sp = switch_cost.rule_config(rule)
     assert switch_cost.max_regret_between(per_pattern, sp) == pytest.approx(0.0, abs=0.02)
     for cutoff in (8.0, 12.0):
-        assert switch_cost.max_regret_between(per_pattern, cutoff) > 0.3
+        assert switch_cost.max_regret_between(per_pattern, _cutoff(cutoff)) > 0.3
     # A pattern halfway between uniform and skew gets a cutoff halfway (log-linear
     # ratios make its crossover 10): about right, where the plain cutoff misses by 25%.
     half = {"mixed": _pattern(10.0, hot_share=0.25)}
     assert switch_cost.max_regret_between(half, sp) == pytest.approx(0.0, abs=0.02)
-    assert switch_cost.max_regret_between(half, 8.0) == pytest.approx(10 / 8 - 1, rel=0.03)
+    assert switch_cost.max_regret_between(half, _cutoff(8.0)) == pytest.approx(10 / 8 - 1, rel=0.03)
 
 
 def test_rule_runs_dense_where_the_tail_overflows():
@@ -114,7 +123,7 @@ def test_regret_between_points_keeps_the_fallback_a_step():
     np.testing.assert_allclose(switch_cost._ratio_between(step, fine), [at_12, 0.8, 1.8])
     rule = switch_cost.rule_config({"cutoff": 100.0})
     assert switch_cost.max_regret_between({"heavy": step}, rule) == pytest.approx(0.0, abs=1e-9)
-    assert switch_cost.max_regret_between({"heavy": step}, 20.0) == pytest.approx(0.25)
+    assert switch_cost.max_regret_between({"heavy": step}, _cutoff(20.0)) == pytest.approx(0.25)
 
 
 def test_fit_rule_without_hot_entries_is_a_plain_cutoff():

@@ -82,6 +82,18 @@ def f32(a):
     return np.asarray(a, np.float32)
 
 
+def l1_of_hidden(h):
+    """Mean over tokens of sum over N of |h| (docs/design.md §2), fp32 scalar: the
+    op's stats["l1"]."""
+    return jnp.mean(jnp.sum(jnp.abs(h.astype(jnp.float32)), axis=-1))
+
+
+def l0_of_hidden(h):
+    """Mean over tokens of the number of non-zeros per row, fp32 scalar: the op's
+    stats["l0"]."""
+    return jnp.mean(jnp.sum((h != 0).astype(jnp.float32), axis=-1))
+
+
 def ell_of(x, wg, width):
     p = jax.nn.relu(jnp.einsum("mh,nh->mn", x, wg, preferred_element_type=jnp.float32))
     p = p.astype(x.dtype)

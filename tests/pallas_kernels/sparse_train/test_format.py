@@ -18,6 +18,15 @@ def _gate(seed, m, n, density, heavy=(), zero=()):
     return jnp.where(keep, vals, 0).astype(jnp.bfloat16)
 
 
+def _ell_to_dense(ell, n):
+    """[M, N] dense matrix of the ELL part (rows with count > W give their first W)."""
+    m, w = ell.cols.shape
+    valid = fmt.slot_mask(jnp.minimum(ell.counts, w), w)
+    rows = jnp.arange(m, dtype=jnp.int32)[:, None]
+    cols = jnp.where(valid, ell.cols, n)
+    return jnp.zeros((m, n), ell.vals.dtype).at[rows, cols].set(ell.vals, mode="drop")
+
+
 def test_compact_rows_ref_round_trip():
     m, n, w = 24, 96, 8
     p = _gate(0, m, n, 0.05, heavy=(2, 9), zero=(0, 5))
@@ -25,7 +34,7 @@ def test_compact_rows_ref_round_trip():
     p_np = np.asarray(p, np.float32)
     np.testing.assert_array_equal(ell.counts, (p_np > 0).sum(1))
     np.testing.assert_array_equal(fired, (p_np > 0).any(0))
-    dense = np.asarray(fmt.ell_to_dense(ell, n), np.float32)
+    dense = np.asarray(_ell_to_dense(ell, n), np.float32)
     light = np.asarray(ell.counts) <= w
     np.testing.assert_array_equal(dense[light], p_np[light])
     for i in (2, 9):  # heavy rows keep their first W entries, in column order
@@ -61,7 +70,7 @@ def test_build_csc_sorted_by_neuron_then_token():
     p = _gate(1, m, n, 0.08, heavy=(4,), zero=(7,))
     ell, *_ = compaction.compact_rows_ref(p, w)
     ell_count = fmt.ell_counts(ell.counts, w)
-    csc = fmt.build_csc(ell_count, ell.cols, ell.col_counts)
+    csc = fmt.build_csc(ell_count, ell.cols, ell.col_counts, exclude=jnp.zeros((n,), bool))
     p_np = np.asarray(p, np.float32)
     p_np[np.asarray(ell.counts) > w] = 0  # tail rows are not in the ELL index
     np.testing.assert_array_equal(ell.col_counts, (p_np > 0).sum(0))

@@ -23,6 +23,7 @@ from tests.pallas_kernels.sparse_train.cases import (
     M,
     N,
     f32,
+    l1_of_hidden,
     make_inputs,
     rel_err,
 )
@@ -37,7 +38,7 @@ def _sparse_loss(x, wg, wu, wd, proj, *, interpret):
 
 def _ref_loss(x, wg, wu, wd, proj):
     out = ref.gated_mlp(x, wg, wu, wd)
-    l1 = ref.l1_of_hidden(ref.gated_hidden(x, wg, wu))
+    l1 = l1_of_hidden(ref.gated_hidden(x, wg, wu))
     return jnp.sum(out.astype(jnp.float32) * proj) + LAM * l1
 
 
@@ -148,7 +149,7 @@ def test_nonfinite_upstream_gradient_propagates_like_the_dense_reference(interpr
 
     def dense(x, wg, wu, wd):
         out = ref.gated_mlp(x, wg, wu, wd)
-        l1 = ref.l1_of_hidden(ref.gated_hidden(x, wg, wu))
+        l1 = l1_of_hidden(ref.gated_hidden(x, wg, wu))
         return jnp.sum(out.astype(jnp.float32) * proj) + lam * l1
 
     grads = jax.jit(jax.grad(sparse, argnums=(0, 1, 2, 3)))(*inputs[:4])

@@ -56,7 +56,8 @@ def test_heavy_rows_exact_in_the_tail_and_past_it(interpret, gated, n_heavy, tai
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
     assert int(stats.heavy_rows) == n_heavy
     assert int(stats.overflow_tiles) == 2 * n_heavy  # N = 512: two tiles per row
-    bucket, rows, _ = heavy_rows.plan(_tile_counts(x, ws), 32)  # C = 8: 32 slots
+    # C = 8: 32 slots; factor 0: heavy rows only
+    bucket, rows, _ = heavy_rows.plan(_tile_counts(x, ws), 32, 0.0, 0)
     assert (int(bucket) == 1) == tail
     if tail:
         np.testing.assert_array_equal(np.asarray(rows)[:n_heavy], np.arange(n_heavy) * 5)
