@@ -374,18 +374,28 @@ def make_train_step(
 def make_eval_step(cfg: TrainConfig, mesh: Mesh) -> Callable[[Params, Batch], jax.Array]:
     """Builds the jitted validation step: `eval_step(params, batch) -> mean CE` (fp32 scalar).
 
-    ffn_impl="sparse" evaluates through the dense path (same function; the sparse
-    kernels exist for their backward pass). "twell" evaluates the inference kernels.
+    The batch runs as the train step's `optim.grad_accum_steps` micro-batches, one after
+    another, so validation fits wherever a train step does. ffn_impl="sparse" evaluates
+    through the dense path (same function; the sparse kernels exist for their backward
+    pass). "twell" evaluates the inference kernels.
     """
     model_cfg = cfg.model
     if model_cfg.ffn_impl == "sparse":
         model_cfg = dataclasses.replace(model_cfg, ffn_impl="dense")
     graphdef = model_graphdef(model_cfg)
+    n_micro = cfg.optim.grad_accum_steps
 
-    def eval_fn(params, batch):
+    def micro_ce(params, batch):
         model = nnx.merge(graphdef, params)
         x, _ = model.hidden_states(batch["inputs"])
         return lm_loss.cross_entropy(x, model.head_weight(), batch["targets"], cfg.ce_chunk_tokens)
+
+    def eval_fn(params, batch):
+        if n_micro == 1:
+            return micro_ce(params, batch)
+        micro = jax.tree.map(lambda x: _microbatches(x, n_micro), batch)
+        # Micro-batches of equal token counts: the mean of their means is the batch's.
+        return jnp.mean(jax.lax.map(functools.partial(micro_ce, params), micro))
 
     jitted = jax.jit(
         eval_fn,

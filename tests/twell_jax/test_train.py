@@ -111,6 +111,11 @@ def test_grad_accumulation_matches_full_batch():
     assert m_accum["grad_norm"] == pytest.approx(m_full["grad_norm"], rel=GRAD_NORM_RTOL)
     np.testing.assert_allclose(m_accum["l0"], m_full["l0"], rtol=1e-6)
     assert update_rel_diff(before, accum, full) < UPDATE_RTOL
+    # Validation in the same micro-batches: the same mean CE.
+    params = train.create_train_state(cfg, mesh).params
+    ce_full = train.make_eval_step(cfg, mesh)(params, batch)
+    ce_accum = train.make_eval_step(small_config(grad_accum_steps=2), mesh)(params, batch)
+    assert float(ce_accum) == pytest.approx(float(ce_full), rel=LOSS_RTOL)
 
 
 _SHARDED = textwrap.dedent("""
