@@ -146,6 +146,7 @@ REFUSALS = (
     run_guards.ScheduleChangeError,
     run_guards.ResumeRefusedError,
     checkpoint.ConfigMismatchError,
+    checkpoint.CheckpointCorruptError,  # no step of the workdir is readable
 )
 EXIT_DIVERGED = 3
 _DISTRIBUTED = flags.DEFINE_bool(

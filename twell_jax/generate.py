@@ -8,10 +8,12 @@
 A batch of prompts of different lengths is left-padded to P tokens (the longest,
 rounded up to a multiple of `PROMPT_BUCKET`). Each
 row carries its own RoPE positions (0 at its first real token) and an attention mask
-that hides its padding, so a row generates the same tokens alone or in any batch
-up to float rounding: in fp32; in bf16 two near-tied logits can swap with the batch
-(docs/design.md §11). One jitted prefill runs the prompts through the model, writing
-cache slots 0..P-1, and samples the first token; each jitted decode step feeds the
+that hides its padding, so a row's logits are the same alone or in any batch up to
+float rounding, and greedy decoding gives the same tokens: in fp32; in bf16 two
+near-tied logits can swap with the batch (docs/design.md §11). Sampling draws every
+row from one key per step, so a sampled row depends on its batch. One jitted prefill
+runs the prompts through the model, writing cache slots 0..P-1, and samples the first
+token; each jitted decode step feeds the
 last token at slot P + t. The cache is one [B, P + max_new_tokens, n_kv_heads,
 head_dim] buffer per layer in the compute dtype, updated in place (the step donates
 its state). The layers run unrolled over per-layer weight buffers in the compute

@@ -227,8 +227,10 @@ def sparse_decode_ffn_block(
       not finite gives a NaN row.
 
     Raises:
-      ValueError: as `sparse_decode_mlp`.
+      ValueError: as `sparse_decode_mlp`, or eps not > 0.
     """
+    if not 0 < eps < float("inf"):
+        raise ValueError(f"sparse_decode_ffn_block: eps={eps} must be > 0 and finite")
     weights = (w_gate, w_up, w_down)
     impl = _checked_impl(x, weights, impl, config, max_tokens)
     h = x.shape[-1]

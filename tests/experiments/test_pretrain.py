@@ -165,6 +165,18 @@ def test_divergence_exits_3_and_keeps_the_good_checkpoints(tmp_path, data_dir, c
 
 
 @pytest.mark.slow
+def test_a_workdir_without_a_readable_step_is_refused(tmp_path, straight, data_dir, cache_dir):
+    workdir = tmp_path / "run"
+    shutil.copytree(straight[0], workdir)
+    for step in checkpoint_steps(workdir):
+        (workdir / "checkpoints" / str(step) / "state" / "_METADATA").write_text("{garbled")
+    proc = run_cli(workdir, data_dir, cache_dir, "--steps=9", check=False)
+    assert proc.returncode == 2, proc.stderr[-4000:]
+    assert "could be restored (steps [3, 6])" in refusal(proc)
+    assert checkpoint_steps(workdir) == [3, 6]  # kept in place
+
+
+@pytest.mark.slow
 def test_a_seq_len_too_long_for_memory_exits_2_before_compiling(tmp_path, data_dir, cache_dir):
     # Any machine: the [S, S] attention probabilities alone are 2^44 bytes per layer.
     workdir = tmp_path / "run"

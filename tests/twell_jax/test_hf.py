@@ -74,6 +74,11 @@ def test_config_mapping():
     assert hf.config_from_hf({**base, "torch_dtype": "float16"}).dtype == "float32"
     old_spelling = hf.config_from_hf({**base, "dtype": None, "torch_dtype": "bfloat16"})
     assert old_spelling.dtype == old_spelling.param_dtype == "bfloat16"
+    # rope_scaling of the default type is plain RoPE; zero kv heads are refused.
+    plain = hf.config_from_hf({**base, "rope_scaling": {"rope_type": "default"}})
+    assert plain == hf.config_from_hf(base)
+    with pytest.raises(ValueError, match=r"ModelConfig\.n_kv_heads=0"):
+        hf.config_from_hf({**base, "num_key_value_heads": 0})
 
 
 def test_pre_transformers_5_config_spelling(tmp_path):

@@ -54,10 +54,11 @@ def rope_theta(hf: Mapping[str, Any]) -> float:
     """RoPE base from `rope_parameters.rope_theta` (transformers >= 5) or `rope_theta`.
 
     Raises:
-      ValueError: rope_scaling is set, or rope_parameters.rope_type is not "default".
+      ValueError: rope_scaling or rope_parameters has a rope_type other than "default".
     """
-    if hf.get("rope_scaling") is not None:
-        raise _unsupported("rope_scaling", hf["rope_scaling"], "only default RoPE is supported")
+    scaling = hf.get("rope_scaling")
+    if scaling is not None and scaling.get("rope_type", scaling.get("type")) != "default":
+        raise _unsupported("rope_scaling", scaling, "only default RoPE is supported")
     params = hf.get("rope_parameters") or {}
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type != "default":
@@ -109,7 +110,8 @@ def config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
     _check_supported(hf)
     get = lambda k: hf.get(k, _HF_DEFAULTS[k])
     heads = hf["num_attention_heads"]
-    kv_heads = hf.get("num_key_value_heads") or heads
+    kv_heads = hf.get("num_key_value_heads")
+    kv_heads = heads if kv_heads is None else kv_heads  # 0 is ModelConfig's to refuse
     dtype = hf.get("dtype") or hf.get("torch_dtype")
     # float16 (and any other) tensors load exactly as float32: the kernels compute in
     # bfloat16 or float32 (dtype="bfloat16" overrides for speed).

@@ -358,6 +358,12 @@ def test_bad_inputs_raise(args, kwargs, message):
         pk.sparse_decode_mlp(*args, **kwargs)
 
 
+@pytest.mark.parametrize("eps", [0.0, -1e-6, float("nan")])
+def test_the_block_refuses_a_norm_eps_that_is_not_positive(eps):
+    with pytest.raises(ValueError, match=f"eps={eps} must be > 0 and finite"):
+        pk.sparse_decode_ffn_block(X, W, W, W, eps=eps, impl="xla")
+
+
 def test_exported_with_the_other_ops():
     assert pk.sparse_decode_mlp is pk.decode.sparse_decode_mlp
     assert {"sparse_decode_mlp", "DecodeStats", "twell_gated_mlp"} <= set(pk.__all__)
