@@ -15,10 +15,10 @@ semicolons, taken verbatim). Text prompts of an HF checkpoint get
 its bos_token_id in front unless --noadd_bos.
 
 --temperature=0 is greedy; --top_k / --top_p restrict sampling. Generation stops at
---max_new_tokens or a stop id (--stop_ids, default the checkpoint's / tokenizer's EOS;
-"" for none). --vocab_limit (at most the model's vocab_size; default: the tokenizer's
-size when below the model's padded vocabulary; 0: none) keeps ids the tokenizer cannot
-decode from being drawn.
+--max_new_tokens or a stop id (--stop_ids, default the checkpoint's EOS ids, its
+generation_config.json's included, or the tokenizer's; "" for none). --vocab_limit
+(at most the model's vocab_size; default: the tokenizer's size when below the model's
+padded vocabulary; 0: none) keeps ids the tokenizer cannot decode from being drawn.
 --ffn picks the FFN path (`twell_jax.generate`: dense; sparse = the TwELL prefill and
 the small-M decode op in the decode steps; auto = the paths measured faster on an H200
 for a model with sparse FFNs: TwELL for long prefills, the decode op up to batch 8). A single
@@ -96,7 +96,7 @@ def _load():
         local = Path(_HF_DIR.value) / "tokenizer.json"
         if spec is None and local.is_file():
             spec = str(local)
-        stop = hf.eos_token_ids(hf_config)
+        stop = hf.stop_token_ids(_HF_DIR.value)
         tok = _tokenizer(spec, stop[0] if stop else None) if spec else None
         stop = stop or ((tok.eos_id,) if tok else ())
         return cfg, params, tok, stop, hf_config.get("bos_token_id")

@@ -81,6 +81,17 @@ def test_config_mapping():
         hf.config_from_hf({**base, "num_key_value_heads": 0})
 
 
+def test_stop_ids_include_the_generation_configs_and_bad_json_is_named(tmp_path):
+    d = copy_fixture("relu_gqa", tmp_path)
+    assert hf.stop_token_ids(d) == (2,)
+    # A chat model's end-of-turn tokens are in generation_config.json.
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 9, 11]}))
+    assert hf.stop_token_ids(d) == (2, 9, 11)
+    (d / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"config\.json: not valid JSON"):
+        hf.read_config(d)
+
+
 def test_pre_transformers_5_config_spelling(tmp_path):
     def legacy(c):
         c["rope_theta"] = c.pop("rope_parameters")["rope_theta"]

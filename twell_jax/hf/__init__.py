@@ -20,6 +20,7 @@ from twell_jax.hf.config_map import (
     eos_token_ids,
     read_config,
     rope_theta,
+    stop_token_ids,
 )
 from twell_jax.hf.weights import (
     DEFAULT_SHARD_BYTES,
@@ -51,4 +52,5 @@ __all__ = [
     "read_config",
     "rope_theta",
     "save_checkpoint",
+    "stop_token_ids",
 ]

@@ -21,6 +21,7 @@ from typing import Any
 from twell_jax.config import ModelConfig
 
 CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
 ARCHITECTURE = "LlamaForCausalLM"
 # hidden_act -> ffn_variant: down(act(gate(x)) * up(x)).
 ACTIVATIONS = {"relu": "gated_relu", "silu": "gated_silu"}
@@ -39,11 +40,22 @@ def read_config(hf_dir: str | os.PathLike) -> dict[str, Any]:
 
     Raises:
       FileNotFoundError: no config.json in `hf_dir`.
+      ValueError: it is not a JSON object.
     """
     path = Path(hf_dir) / CONFIG_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path}: not an HF checkpoint directory (no {CONFIG_FILE})")
-    return json.loads(path.read_text())
+    return _read_json(path)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        config = json.loads(path.read_text())
+    except ValueError as e:
+        raise ValueError(f"{path}: not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return config
 
 
 def _unsupported(field: str, value: Any, why: str) -> ValueError:
@@ -190,3 +202,18 @@ def eos_token_ids(hf: Mapping[str, Any]) -> tuple[int, ...]:
     if eos is None:
         return ()
     return tuple(int(i) for i in (eos if isinstance(eos, list) else [eos]))
+
+
+def stop_token_ids(hf_dir: str | os.PathLike) -> tuple[int, ...]:
+    """The ids that end a generation from `hf_dir`: config.json's eos_token_id, then
+    those its generation_config.json adds (chat models list their end-of-turn tokens
+    there), each once.
+
+    Raises:
+      FileNotFoundError, ValueError: as `read_config`.
+    """
+    ids = eos_token_ids(read_config(hf_dir))
+    extra = Path(hf_dir) / GENERATION_CONFIG_FILE
+    if extra.is_file():
+        ids += eos_token_ids(_read_json(extra))
+    return tuple(dict.fromkeys(ids))
