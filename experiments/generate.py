@@ -19,11 +19,14 @@ its bos_token_id in front unless --noadd_bos.
 generation_config.json's included, or the tokenizer's; "" for none). --vocab_limit
 (at most the model's vocab_size; default: the tokenizer's size when below the model's
 padded vocabulary; 0: none) keeps ids the tokenizer cannot decode from being drawn.
---ffn picks the FFN path (`twell_jax.generate`: dense; sparse = the TwELL prefill and
+--ffn picks the FFN path (`twell_jax.generate`): dense; sparse = the TwELL prefill and
 the small-M decode op in the decode steps; auto = the paths measured faster on an H200
-for a model with sparse FFNs: TwELL for long prefills, the decode op up to batch 8). A single
-prompt streams its text to stdout as tokens arrive; a batch prints one line per prompt
-at the end.
+for a model configured with the inference kernels (ffn_impl "twell" or "decode":
+TwELL for long prefills, the decode op up to batch 8), else dense. Neither a workdir
+nor an HF directory is configured so (whether its FFNs are sparse is not known from
+the checkpoint, and the sparse paths were timed at the 1.5B shape only), so for a
+sparse model pass --ffn=sparse. A single prompt streams its text to stdout as tokens
+arrive; a batch prints one line per prompt at the end.
 --output_json (in an existing directory) writes {"prompt_ids", "new_token_ids", "text"}
 (lists over the batch, plain values for one prompt).
 
