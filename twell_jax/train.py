@@ -91,6 +91,14 @@ def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
     )
 
 
+def _schedule_count(opt_state: Any) -> jax.Array:
+    """The step the optimizer's LR schedule is at: the step count, less the steps
+    skipped as non-finite (their optimizer state is the previous one)."""
+    return optax.tree_utils.tree_get(
+        opt_state, "count", filtering=lambda path, _: path[-1].tuple_name == "ScaleByScheduleState"
+    )
+
+
 def model_graphdef(cfg: ModelConfig) -> nnx.GraphDef:
     """Static structure of `Transformer(cfg)`: `nnx.merge(model_graphdef(cfg), params)`.
 
@@ -350,7 +358,7 @@ def make_train_step(
             "l1_loss": l1_loss.mean(),
             "l1_coef": sparsity.l1_coef_at(state.step, sp),
             "grad_norm": optax.tree.norm(grads),
-            "lr": schedule(state.step),
+            "lr": schedule(_schedule_count(state.opt_state)),
             "l1": stats["l1"].mean(axis=0),
             "l0": l0,
             "sparsity": sparsity.sparsity_fraction(l0, cfg.model.d_ff),

@@ -17,7 +17,7 @@ import pytest
 
 from tests.corpora import prepare_byte_corpus, write_text_corpus
 from tests.fake_pynvml import FakeNvml
-from twell_jax import checkpoint, energy, metrics, run_guards, step_memory, trainer
+from twell_jax import checkpoint, energy, metrics, run_guards, step_memory, train, trainer
 from twell_jax import config as C
 
 
@@ -186,6 +186,9 @@ def test_skip_nonfinite_keeps_the_state_counts_and_survives_a_resume(
     records = [r for r in metrics.read_metrics(workdir / "metrics.jsonl") if r["kind"] == "train"]
     assert [r["skipped_steps"] for r in records] == [0, 1, 1, 1]
     assert all(np.isfinite(r["ce"]) for r in records if r["step"] != 2)
+    # The logged LR is the one applied: the schedule stays a step behind after the skip.
+    schedule = train.lr_schedule(cfg.optim)
+    assert [r["lr"] for r in records] == pytest.approx([float(schedule(i)) for i in (0, 1, 1, 2)])
     # The count is saved with the checkpoints: one more skip reaches the limit.
     _inject_bad_batches(monkeypatch, 1, 2)
     more = dataclasses.replace(opts, allow_schedule_change=True)
