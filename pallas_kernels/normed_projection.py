@@ -102,10 +102,13 @@ def reference(x: jax.Array, w_scaled: jax.Array, eps: float) -> jax.Array:
 
 def _norm_loads(x_ref) -> list[jax.Array]:
     """row_factors' loads of x_ref [M, H]: its M rows (rounded up to a power of two, 0
-    past M) in pieces of at most _NORM_LOAD elements, x's dtype [Mr, cols] each."""
+    past M) in pieces of at most _NORM_LOAD elements, x's dtype [Mr, cols] each, cols
+    a power of two that divides H (H = 768: pieces of 256, none past the row's end)."""
     m, h = x_ref.shape
     mr = tr.next_pow2(m)
-    cols = min(h, max(16, _NORM_LOAD // mr))
+    cols = min(tr.next_pow2(h + 1) // 2, max(16, _NORM_LOAD // mr))
+    while h % cols:  # H is a multiple of the kernel's block_k (>= 16)
+        cols //= 2
     norm_rows = tr.iota(mr)
     return [
         tr.load(

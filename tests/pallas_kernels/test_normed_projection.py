@@ -135,10 +135,20 @@ def test_fitted_config_divides_small_shapes():
     assert (small.block_k, small.block_n) == (64, 32)
 
 
-@pytest.mark.parametrize("m", [1, 8])
-def test_cross_lowers_for_cuda(m):
-    """The 1.5B preset's stacked q / k / v (H 2048, 32 heads of 64): one kernel."""
-    x = jnp.zeros((m, 2048), jnp.bfloat16)
-    w = jnp.zeros((3 * 2048, 2048), jnp.bfloat16)
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("m", [1, 4, 6, 8])
+def test_a_d_model_that_is_not_a_power_of_two(impl, m):
+    """H = 768 (the 125M preset): the norm's loads come in pieces that divide H."""
+    x, w = make_case(m, m, 768, 128)
+    assert_close(normed_projection(x, w, eps=EPS, impl=impl), truth(x, w))
+
+
+@pytest.mark.parametrize("m", [1, 4, 8])
+@pytest.mark.parametrize("h", [2048, 768])
+def test_cross_lowers_for_cuda(m, h):
+    """The 1.5B preset's stacked q / k / v (H 2048, 32 heads of 64), and the 125M
+    preset's H 768: one kernel."""
+    x = jnp.zeros((m, h), jnp.bfloat16)
+    w = jnp.zeros((3 * h, h), jnp.bfloat16)
     fn = lambda x, w: normed_projection(x, w, eps=EPS, impl="pallas")
     assert count_triton_calls(fn, x, w) == 1
