@@ -355,7 +355,8 @@ def sparse_gated_mlp_train(
     Raises:
         ValueError: shapes the Pallas kernels do not support (see
             `sparse_train_supported`; block sizes are otherwise fitted to H and N by
-            `resolve_config`), a scalar x, or weights that are not [N, H] matrices.
+            `resolve_config`), a scalar x, weights that are not [N, H] matrices, an x
+            neither bf16 nor fp32, or weights of another dtype than x's.
     """
     if jnp.ndim(x) < 1:
         raise ValueError(f"x must be [..., H] with at least one axis, got shape {jnp.shape(x)}")
@@ -367,6 +368,11 @@ def sparse_gated_mlp_train(
     for w in (w_gate, w_up, w_down):
         if w.shape != (n, h):
             raise ValueError(f"weights must all be [N, H] = {(n, h)}, got {w.shape}")
+    if x.dtype not in (jnp.bfloat16, jnp.float32):
+        raise ValueError(f"x must be bfloat16 or float32, got {x.dtype}")
+    for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
+        if w.dtype != x.dtype:
+            raise ValueError(f"{name} must have x's dtype {x.dtype}, got {w.dtype}")
     x2 = x.reshape(-1, h)
     if x2.shape[0] == 0:
         # No tokens: nothing to launch. The outputs depend on no input, so every

@@ -92,6 +92,22 @@ def test_weights_must_be_matrices():
         sparse_gated_mlp_train(x, wg[0, 0], wu, wd, config=CFG)
 
 
+@pytest.mark.parametrize(
+    "cast, message",
+    [
+        ({"x": jnp.int32}, "x must be bfloat16 or float32, got int32"),
+        ({"x": jnp.float16}, "x must be bfloat16 or float32, got float16"),
+        ({"wd": jnp.float32}, "w_down must have x's dtype bfloat16, got float32"),
+    ],
+)
+def test_dtypes_are_checked(cast, message):
+    x, wg, wu, wd, _ = make_inputs(0, M, H, N, nnz=8)
+    arrays = {"x": x, "wg": wg, "wu": wu, "wd": wd}
+    arrays.update({k: arrays[k].astype(dtype) for k, dtype in cast.items()})
+    with pytest.raises(ValueError, match=message):
+        sparse_gated_mlp_train(*arrays.values(), config=CFG)
+
+
 def _poison(inputs, where):
     x, wg, wu, wd, proj = inputs
     if where == "x_nan":
