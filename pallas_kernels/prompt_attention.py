@@ -190,7 +190,19 @@ def prompt_attention(
             f"qkv must be [B, S, (n_heads + 2 n_kv_heads) head_dim] = [{b}, S <= {t}, "
             f"{(n_heads + 2 * kv) * d}] for caches {cache_k.shape}, got {qkv.shape}"
         )
-    if jnp.shape(pad) != (b,):
+    if d % 2:
+        raise ValueError(f"head_dim={d} must be even for RoPE")
+    for name, a in (("cos", cos), ("sin", sin)):
+        if a.shape not in ((b, s, d // 2), (s, d // 2)):
+            raise ValueError(
+                f"{name} must be [B, S, head_dim / 2] = [{b}, {s}, {d // 2}] or [S, head_dim / "
+                f"2], got {a.shape}"
+            )
+    if cache_k.dtype != qkv.dtype or cache_v.dtype != qkv.dtype:
+        raise ValueError(
+            f"the caches must have qkv's dtype {qkv.dtype}, got {cache_k.dtype} / {cache_v.dtype}"
+        )
+    if jnp.shape(pad) != (b,) or not jnp.issubdtype(jnp.result_type(pad), jnp.integer):
         raise ValueError(f"pad must be an integer [B] = [{b}], got shape {jnp.shape(pad)}")
     reason = config.unsupported(d, max(b * s * n_heads * d, b * t * kv * d))
     impl = tr.resolve_impl(impl, qkv.dtype, reason, "qkv")

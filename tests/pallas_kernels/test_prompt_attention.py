@@ -152,8 +152,25 @@ def _args(b=2, s=8, t=10, n_heads=4, kv=2, d=16, dtype=jnp.bfloat16):
         (lambda a: (*a[:4], a[4][:, :-1], a[5]), "caches"),
         (lambda a: (a[0], a[1], a[2], a[3][:, :4], a[4][:, :4], a[5]), "S <= 4"),
         (lambda a: (*a[:5], jnp.zeros((3,), jnp.int32)), "pad must be"),
+        (lambda a: (*a[:5], jnp.zeros((2,))), "pad must be an integer"),
+        (lambda a: (a[0], a[1][:, 0], *a[2:]), r"cos must be \[B, S, head_dim / 2\]"),
+        (lambda a: (*a[:2], a[2][:1], *a[3:]), r"sin must be"),
+        (
+            lambda a: (*a[:3], a[3].astype(jnp.float32), a[4].astype(jnp.float32), a[5]),
+            "the caches must have qkv's dtype bfloat16, got float32",
+        ),
     ],
-    ids=["qkv_width", "qkv_rank", "cache_shapes", "prompt_longer_than_cache", "pad_shape"],
+    ids=[
+        "qkv_width",
+        "qkv_rank",
+        "cache_shapes",
+        "prompt_longer_than_cache",
+        "pad_shape",
+        "pad_dtype",
+        "cos_without_s",
+        "sin_batch",
+        "cache_dtype",
+    ],
 )
 def test_bad_inputs_raise(change, message):
     with pytest.raises(ValueError, match=message):
