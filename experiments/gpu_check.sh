@@ -4,6 +4,16 @@
 # Results (JSON and logs) go to $OUT when set, else results/ (README.md, "Reproduce").
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# An unknown target (a typo) stops here, before anything runs.
+TARGETS=" tests tests_train tests_other kernel train model train_model energy patterns switch "
+TARGETS+="captured decode train_memory capacity demo l1_target tune train_tune memory quality "
+TARGETS+="l1sweep heavy prefill all "
+for what in "${@:-all}"; do
+  case "$TARGETS" in
+    *" $what "*) ;;
+    *) echo "gpu_check.sh: unknown target '$what'; targets:$TARGETS" >&2; exit 2 ;;
+  esac
+done
 OUT=${OUT:-results}
 mkdir -p "$OUT"
 # grain and its missing dependencies travel as wheels in .whl (BUILD.md).
@@ -64,10 +74,10 @@ for what in "${@:-all}"; do
     switch)  # the per-layer switch's rule at the 2B and 125M layer shapes, judged on held-out patterns
       python3 -m experiments.benchmark --mode=switch --model_presets=2b --train_tokens=16384 \
         --reps=10 --switch_l0_grid=2,4,8,16,32,40,48,56,64,80,96 \
-        --switch_holdout=skew:0.5,heavy_rows:0.2 --out="$OUT/switch_2b_m16384.json" || status=1
+        --switch_holdout=skew:0.5,heavy_rows:0.2 --out="$OUT/switch_2b_m16384_${CARD}.json" || status=1
       python3 -m experiments.benchmark --mode=switch --model_presets=125m --train_tokens=32768 \
         --reps=10 --switch_l0_grid=2,3,4,6,8,12,16,24,32 \
-        --switch_holdout=skew:0.5,heavy_rows:0.2 --out="$OUT/switch_125m_m32768.json" || status=1 ;;
+        --switch_holdout=skew:0.5,heavy_rows:0.2 --out="$OUT/switch_125m_m32768_${CARD}.json" || status=1 ;;
     captured)  # two 125M L1 runs (dense FFNs), their neuron profiles, the op on their layers
       for lam in ${L1_SWEEP:-2e-4 1e-3}; do
         run="/tmp/runs/125m_captured_$lam"
@@ -77,7 +87,7 @@ for what in "${@:-all}"; do
         python3 -m experiments.neuron_profile --workdir="$run" --out="$OUT/profile_125m_l1_$lam.json" \
           || status=1
         python3 -m experiments.benchmark --mode=train --pattern=captured --capture_workdir="$run" \
-          --capture_layers=0,3,6,9,11 --reps=20 --out="$OUT/train_captured_125m_l1_$lam.json" \
+          --capture_layers=0,3,6,9,11 --reps=20 --out="$OUT/train_captured_125m_l1_${lam}_${CARD}.json" \
           || status=1
       done ;;
     heavy)  # the inference MLP under heavy-tailed rows at the default C = 8, uniform and skew beside it
