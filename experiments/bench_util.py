@@ -15,7 +15,9 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from absl import app, flags
+from absl import app, flags, logging
+
+from experiments import entry_points
 
 # experiments/benchmark.py reads the synthetic MLP from here; its home is twell_jax.synthetic.
 
@@ -312,22 +314,51 @@ def per_layer_profile(fn, *args, layers: int) -> dict:
     }
 
 
-def write_cases(doc: str, cases: dict, out: str) -> None:
-    """Writes {"measures": doc's third paragraph, "cases", "device", "jax"} as JSON to
-    `out` (nothing when empty): the record of a standalone benchmark module."""
-    res = {"measures": doc.split("\n\n")[2].replace("\n", " "), "cases": cases}
-    res.update(device=jax.devices()[0].device_kind, jax=jax.__version__)
+EXIT_REFUSED = 2
+
+
+def write_cases(doc: str, cases: dict, out: str, command: str = "") -> None:
+    """Writes {"measures": doc's third paragraph, "command", "cases", "device", "jax"} as
+    JSON to `out` (nothing when empty): the record of a standalone benchmark module."""
+    res = {"measures": doc.split("\n\n")[2].replace("\n", " "), "command": command}
+    res.update(cases=cases, device=jax.devices()[0].device_kind, jax=jax.__version__)
     if out:
         with open(out, "w") as f:
             json.dump(res, f, indent=1)
 
 
+def _command(argv: list[str]) -> str:
+    """The command line of the module running as __main__: python -m <module> <flags>."""
+    spec = getattr(sys.modules["__main__"], "__spec__", None)
+    module = spec.name if spec else argv[0]
+    return " ".join([f"python -m {module}", *argv[1:]])
+
+
 def main_writing_cases(doc: str, run: Callable[[], dict]) -> None:
     """The absl entry point of a standalone benchmark module: `--out`, then
-    `write_cases(doc, run(), --out)`. The flag is defined here, when the module runs
-    as __main__, so modules that import one another never define it twice, and made a
-    key flag of that module so that its --help lists it."""
+    `write_cases(doc, run(), --out, the command)`. The flag is defined here, when the
+    module runs as __main__, so modules that import one another never define it twice,
+    and made a key flag of that module so that its --help lists it.
+
+    These modules time device kernels (a profiler trace's GPU busy time): without a
+    GPU, an --out that cannot be written, or positional arguments, the run is refused
+    in one line (exit 2) before any work.
+    """
     out = flags.DEFINE_string("out", "", "JSON output path (default: print only).")
     # absl files __main__'s flags under sys.argv[0]; --help lists that module's key flags.
     flags.FLAGS.register_key_flag_for_module(sys.argv[0], flags.FLAGS[out.name])
-    app.run(lambda argv: write_cases(doc, run(), out.value))
+
+    def main(argv):
+        if not entry_points.start_cli(argv):
+            return EXIT_REFUSED
+        try:
+            entry_points.check_output_file("out", out.value)
+            if jax.default_backend() != "gpu":
+                raise ValueError("times the GPU's kernels (busy time, launches) and needs a GPU")
+        except (FileNotFoundError, ValueError) as e:
+            logging.error("refused: %s", e)
+            return EXIT_REFUSED
+        write_cases(doc, run(), out.value, _command(sys.argv))
+        return 0
+
+    app.run(main)

@@ -20,6 +20,7 @@ own dense / sparse ratio and each FFN's time over the first impl's.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Sequence
 
@@ -157,6 +158,6 @@ def run(
         for batch in batches:
             rec = case(cfg, params, batch, prompt_len, new_tokens, reps, kernel_trace, attentions)
             records.append({**head, **rec})
-            print(records[-1], flush=True)
+            print(json.dumps(records[-1]), flush=True)
         del params
     return records

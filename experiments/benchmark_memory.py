@@ -30,6 +30,12 @@ between the last fit and the first failure, each probe a fresh child. Any other 
 of a child stops the run with its exit code and the tail of its stderr. On a CPU nothing
 reports running out of memory (the host's OOM killer ends the child), so keep
 --max_batch small there.
+
+Exit codes: 0 done, 1 a probe failed other than by running out of memory, 2 refused in
+one line before any probe (--ffn_impls other than dense/sparse, an unknown --preset or
+a --set that makes no ModelConfig, a --batch, --seq or --steps below 1, a --max_batch
+below --batch or --search_step below 1 with --search_batch, an --out that cannot be
+written, positional arguments).
 """
 
 from __future__ import annotations
@@ -44,7 +50,10 @@ import sys
 import time
 from collections.abc import Callable
 
-from absl import app, flags
+from absl import app, flags, logging
+
+from experiments import entry_points
+from twell_jax.overrides import parse_assignments
 
 # The parent imports no backend: on a GPU it would take memory the children measure.
 FLAGS = flags.FLAGS
@@ -75,6 +84,7 @@ def define_flags() -> None:
 
 
 IMPLS = ("dense", "sparse")
+EXIT_REFUSED = 2
 # The child's exit status when the step does not fit in device memory.
 OUT_OF_MEMORY = 3
 _OOM_MARKS = ("RESOURCE_EXHAUSTED", "OUT OF MEMORY", "OUT_OF_MEMORY")
@@ -323,13 +333,63 @@ def run(base: Probe, impls, probe_fn: Callable, search=False, max_batch=0, step=
     return out
 
 
-def main(argv):
-    del argv
+# Run in a child on the CPU: the parent imports no JAX (`twell_jax.config` does).
+_CHECK_CONFIG = """
+import sys
+from twell_jax.config import model_preset
+from twell_jax.overrides import parse_assignments, with_overrides
+try:
+    model = model_preset(sys.argv[1], seq_len=int(sys.argv[2]))
+    with_overrides(model, parse_assignments(sys.argv[3:]))
+except ValueError as e:
+    print(e)
+    sys.exit(2)
+"""
+
+
+def config_error(preset: str, seq: int, overrides: list[str]) -> str | None:
+    """Why --preset, --seq and --set make no ModelConfig (checked in a CPU child, the
+    parent importing no JAX), or None."""
+    args = [sys.executable, "-c", _CHECK_CONFIG, preset, str(seq), *overrides]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run(args, env=env, cwd=REPO, capture_output=True, text=True, check=False)
+    if proc.returncode == 0:
+        return None
+    if proc.returncode == 2 and proc.stdout.strip():
+        return proc.stdout.strip().splitlines()[-1]
+    return f"checking --preset={preset} --set failed: {proc.stderr.strip()[-500:]}"
+
+
+def refusal() -> str | None:
+    """Why the flags cannot run, checked before any probe, or None."""
     impls = FLAGS.ffn_impls
     if not impls or not set(impls) <= set(IMPLS):
-        raise app.UsageError(f"--ffn_impls must be some of {IMPLS}, got {impls}")
+        return f"--ffn_impls must be some of {IMPLS}, got {impls}"
+    if min(FLAGS.batch, FLAGS.seq, FLAGS.steps) < 1 or FLAGS.calib_batch < 0:
+        return "--batch, --seq and --steps must be at least 1, --calib_batch at least 0"
     if FLAGS.search_batch and (FLAGS.max_batch < FLAGS.batch or FLAGS.search_step < 1):
-        raise app.UsageError("--max_batch must be at least --batch, --search_step at least 1")
+        return "--max_batch must be at least --batch, --search_step at least 1"
+    try:
+        parse_assignments(FLAGS.set)
+    except ValueError as e:
+        return f"--set: {e}"
+    try:
+        entry_points.check_output_file("out", FLAGS.out)
+    except (FileNotFoundError, ValueError) as e:
+        return str(e)
+    if FLAGS.probe:  # the parent checked the config
+        return None
+    return config_error(FLAGS.preset, FLAGS.seq, FLAGS.set)
+
+
+def main(argv):
+    if not entry_points.start_cli(argv):
+        return EXIT_REFUSED
+    why = refusal()
+    if why:  # absl's UsageError would print the whole --help first
+        logging.error("refused: %s", why)
+        return EXIT_REFUSED
+    impls = FLAGS.ffn_impls
     given = {
         f.name: getattr(FLAGS, _FLAG_OF.get(f.name, f.name)) for f in dataclasses.fields(Probe)
     }
@@ -345,7 +405,7 @@ def main(argv):
         "allocator": FLAGS.allocator,
         "mem_fraction": FLAGS.mem_fraction if FLAGS.allocator == "bfc" else None,
         **{k: v for k, v in dataclasses.asdict(base).items() if k not in ("impl", "overrides")},
-        "model_overrides": dict(kv.split("=", 1) for kv in FLAGS.set),
+        "model_overrides": parse_assignments(FLAGS.set),
     }
     probe_fn = lambda p: run_probe(p, env)
     search = (FLAGS.search_batch, FLAGS.max_batch, FLAGS.search_step)
@@ -356,6 +416,7 @@ def main(argv):
     if FLAGS.out:
         with open(FLAGS.out, "w") as f:
             json.dump(result, f, indent=1)
+    return 0
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ parameters.
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -112,7 +113,7 @@ def run(
         }
         for rec in _compare(cfg, params, tokens, reps, compressions):
             records.append({**head, **rec})
-            print(records[-1], flush=True)
+            print(json.dumps(records[-1]), flush=True)
         del params
     return records
 
@@ -152,5 +153,5 @@ def run_trained(
         }
         for rec in _compare(cfg.model, params, tokens, reps, compressions):
             records.append({**head, **rec})
-            print(records[-1], flush=True)
+            print(json.dumps(records[-1]), flush=True)
     return records

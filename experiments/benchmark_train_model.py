@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -219,7 +220,7 @@ def run(
                 **measured,
             }
         )
-        print(records[-1], flush=True)
+        print(json.dumps(records[-1]), flush=True)
     return records
 
 
@@ -337,5 +338,5 @@ def run_trained(
         "run_switch": run_switch,
         **measured,
     }
-    print(record, flush=True)
+    print(json.dumps(record), flush=True)
     return record

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 
 import jax
 from absl import logging
@@ -27,9 +28,30 @@ def _t2d_launches(spec: str) -> T2DConfig:
     """ "g,w,bh:g,w,bh" (SDDMM, SpMM) -> T2DConfig."""
     parts = spec.split(":")
     if len(parts) != 2 or any(len(_ints(p)) != 3 for p in parts):
-        raise ValueError(f"--tune_t2d_cfg {spec!r}: want <g,w,bh>:<g,w,bh>")
+        raise ValueError("want <g,w,bh>:<g,w,bh>, each three integers")
     sddmm, spmm = (RowLaunch(*_ints(p)) for p in parts)
     return T2DConfig(sddmm=sddmm, spmm=spmm)
+
+
+def launch_configs(d2t_specs, pack_specs, t2d_specs) -> tuple[list, list, list]:
+    """The --tune_d2t_cfg, --tune_pack_cfg and --tune_t2d_cfg strings as launch configs
+    (checked before anything is timed).
+
+    Raises:
+      ValueError: a spec that is not integers of the launch's arity, naming its flag.
+    """
+
+    def parse(flag, spec, make):
+        try:
+            return make(spec)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"--{flag}={spec}: {e}") from None
+
+    return (
+        [parse("tune_d2t_cfg", s, lambda s: baselines.D2TConfig(*_ints(s))) for s in d2t_specs],
+        [parse("tune_pack_cfg", s, lambda s: PackConfig(*_ints(s))) for s in pack_specs],
+        [parse("tune_t2d_cfg", s, _t2d_launches) for s in t2d_specs],
+    )
 
 
 def _time_configs(kind: str, cfgs, make_fn, args, warmup: int, reps: int, inner: int) -> list[dict]:
@@ -43,7 +65,7 @@ def _time_configs(kind: str, cfgs, make_fn, args, warmup: int, reps: int, inner:
             t = None
             logging.warning("%s %s failed: %s", kind, cfg, str(e)[:300])
         rows.append({"cfg": dataclasses.asdict(cfg), "ms": t})
-        print(kind, rows[-1], flush=True)
+        print(json.dumps({"kind": kind, **rows[-1]}), flush=True)
     return rows
 
 
@@ -54,6 +76,7 @@ def tune(m: int, bench: KernelBench, *, d2t_specs, pack_specs, t2d_specs) -> dic
     The specs are --tune_d2t_cfg, --tune_pack_cfg and --tune_t2d_cfg strings.
     """
     c = bench.c
+    d2t_cfgs, pack_cfgs, t2d_cfgs = launch_configs(d2t_specs, pack_specs, t2d_specs)
     x, wg, wu, wd = bench.mlp(m, 29)
     timing = bench.timing
     gate = jax.jit(reference.hidden)
@@ -61,7 +84,7 @@ def tune(m: int, bench: KernelBench, *, d2t_specs, pack_specs, t2d_specs) -> dic
     timed = functools.partial(_time_configs, **timing)
     d2t_rows = timed(
         "d2t",
-        [baselines.D2TConfig(*_ints(spec)) for spec in d2t_specs],
+        d2t_cfgs,
         lambda cfg: lambda x, w: baselines.d2t(x, w, compression=c, cfg=cfg),
         (x, wg),
     )
@@ -69,14 +92,14 @@ def tune(m: int, bench: KernelBench, *, d2t_specs, pack_specs, t2d_specs) -> dic
         row["over_gemm"] = row["ms"] and row["ms"] / gemm_ms
     pack_rows = timed(
         "pack",
-        [PackConfig(*_ints(spec)) for spec in pack_specs],
+        pack_cfgs,
         lambda cfg: lambda g: pack_mod.pack_tiles(g, compression=c, cfg=cfg),
         (gate(x, wg),),
     )
     packed = jax.jit(lambda x, w: pack_mod.gate_then_pack(x, w, compression=c))(x, wg)
     t2d_rows = timed(
         "t2d",
-        [_t2d_launches(spec) for spec in t2d_specs],
+        t2d_cfgs,
         lambda cfg: lambda x, p, a, b, d: t2d_mod.t2d(x, p, (a, b, d), compression=c, cfg=cfg),
         (x, packed, wg, wu, wd),
     )

@@ -8,6 +8,7 @@ or --data_dir, whose tokenizer must be the run's), counts each layer's positive
 gate entries per neuron and per token and prints, per layer: l0 (mean, p99, max per
 token), the share of all positives held by the top 1% and 10% of neurons, the share of
 dead neurons and the hottest neuron's firing rate (`twell_jax.neuron_profile`).
+--out writes the same records as JSON, with the command that made them.
 
 Exit codes: 0 done, 2 refused (no such workdir or checkpoint, no prepared corpus, a
 --data_dir of another tokenizer than the run's, a --batch below 1 or above the
@@ -17,6 +18,7 @@ validation split, an --out that cannot be written, positional arguments).
 from __future__ import annotations
 
 import json
+import sys
 
 import jax.numpy as jnp
 from absl import app, flags, logging
@@ -67,8 +69,9 @@ def main(argv):
     print(f"{result['workdir']} at step {result['step']}, {result['tokens']} tokens")
     print(neuron_profile.table(result["layers"]))
     if _OUT.value:
+        command = " ".join(["python -m experiments.neuron_profile", *sys.argv[1:]])
         with open(_OUT.value, "w") as f:
-            json.dump(result, f, indent=1)
+            json.dump({"command": command, **result}, f, indent=1)
     return 0
 
 

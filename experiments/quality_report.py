@@ -8,6 +8,10 @@ Each input is a run's metrics.jsonl (`twell_jax.trainer` writes it) or a copy of
 label is the file's stem, or its directory's name where stems repeat (runs/125m/
 metrics.jsonl and runs/125m_dense/metrics.jsonl are "125m" and "125m_dense"). The table
 goes to stdout in Markdown, for README.
+
+Exit codes: 0 done, 2 refused in one line before any output (no file given, a missing
+file or a directory, a file without a train and an eval record, two inputs no label
+tells apart, a --plot that cannot be written).
 """
 
 from __future__ import annotations
@@ -16,9 +20,12 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from absl import app, flags
+from absl import app, flags, logging
 
+from experiments import entry_points
 from twell_jax import metrics
+
+EXIT_REFUSED = 2
 
 _BASELINE = flags.DEFINE_string("baseline", None, "metrics.jsonl of the reference run.")
 _PLOT = flags.DEFINE_string(
@@ -142,24 +149,50 @@ def labels(paths: Sequence[Path]) -> list[str]:
     return names
 
 
-def main(argv: Sequence[str]) -> None:
+def _read(paths: Sequence[Path]) -> dict[str, list[dict]]:
+    """label -> the run's records, checked before anything is printed or plotted.
+
+    Raises:
+      FileNotFoundError, ValueError: no file, a missing file or a directory, two files
+        no label tells apart, a file without a train and an eval record (naming it).
+    """
+    if not paths:
+        raise ValueError("give one or more metrics.jsonl files")
+    for path in paths:
+        if not path.is_file():
+            what = "is a directory" if path.is_dir() else "no such file"
+            raise FileNotFoundError(f"{path}: {what} (give metrics.jsonl files)")
+    records = {}
+    for name, path in zip(labels(paths), paths, strict=True):
+        recs = [r for r in metrics.read_metrics(path) if isinstance(r, dict)]
+        try:
+            summarize(recs)
+        except KeyError as e:
+            raise ValueError(f"{path}: a train or eval record without {e}") from None
+        except ValueError as e:
+            raise ValueError(f"{path}: not a run's metrics: {e}") from None
+        records[name] = recs
+    return records
+
+
+def main(argv: Sequence[str]) -> int:
+    # The inputs are positional: only the log filter of entry_points.start_cli applies.
+    logging.get_absl_handler().addFilter(entry_points.keep_log_record)
     paths = [Path(p) for p in argv[1:]]
     if _BASELINE.value and Path(_BASELINE.value) not in paths:
         paths.insert(0, Path(_BASELINE.value))
-    if not paths:
-        raise app.UsageError("give one or more metrics.jsonl files")
     try:
-        names = labels(paths)
-    except ValueError as e:
-        raise app.UsageError(str(e)) from e
-    records = {name: metrics.read_metrics(p) for name, p in zip(names, paths, strict=True)}
-    for name, recs in records.items():
-        if not recs:
-            raise app.UsageError(f"{name}: no metrics (missing or empty file)")
+        entry_points.check_output_file("plot", _PLOT.value)
+        records = _read(paths)
+    except (FileNotFoundError, ValueError) as e:
+        logging.error("refused: %s", e)
+        return EXIT_REFUSED
+    names = list(records)
     baseline = names[paths.index(Path(_BASELINE.value))] if _BASELINE.value else None
     print(table({k: summarize(v) for k, v in records.items()}, baseline))
     if _PLOT.value:
         plot(records, _PLOT.value)
+    return 0
 
 
 if __name__ == "__main__":

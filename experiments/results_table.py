@@ -3,7 +3,8 @@
     python -m experiments.results_table results/kernel_h200.json [results/train_h200.json]
 
 Exit codes: 0 done, 2 refused (no file given, a missing or unreadable file, a JSON that
-is not a --mode=kernel/train/model/train_model benchmark output).
+is not a --mode=kernel/train/model/train_model benchmark output, or one without a key
+its table reads: the command, device, jax version and time, a case's numbers).
 """
 
 from __future__ import annotations
@@ -77,16 +78,19 @@ def _model_row(name: str, c: dict) -> str:
     )
 
 
+def _trained_name(c: dict) -> str:
+    """A --model_workdirs record's row name: its run (the workdir's name), λ and step."""
+    run = Path(c["workdir"]).name if c.get("workdir") else "trained"
+    return f"{run}, λ={c['l1_coef']:g} (step {c['step']})"
+
+
 def model_table(res: dict) -> str:
     head = (
         "| model | C | tokens | l0 (twell) | dense tokens/ms | twell tokens/ms | change "
         "| overflow tiles | body norm rel err |\n|---|---|---|---|---|---|---|---|---|\n"
     )
     rows = [_model_row(c["preset"], c) for c in res["cases"]]
-    rows += [
-        _model_row(f"125m trained, λ={c['l1_coef']:g} (step {c['step']})", c)
-        for c in res.get("trained", [])
-    ]
+    rows += [_model_row(_trained_name(c), c) for c in res.get("trained", [])]
     return head + "\n".join(rows)
 
 
@@ -151,14 +155,23 @@ def render(path: str) -> str:
     """
     with open(path) as f:
         res = json.load(f)
+    if not isinstance(res, dict):
+        raise ValueError(f"{path}: not a benchmark output (a JSON {type(res).__name__})")
     if res.get("mode") not in TABLES:
         raise ValueError(
             f"{path}: not a --mode={'/'.join(TABLES)} benchmark output (mode="
             f"{res.get('mode')!r}); the one-off A/B records under results/ hold their "
             "numbers under 'results' (or top-level keys) and their script under 'script'"
         )
+    missing = [key for key in ("command", "device", "jax", "time") if key not in res]
+    if missing:
+        raise ValueError(f"{path}: a --mode={res['mode']} output without {missing}")
     head = f"`{res['command']}` ({res['device']}, jax {res['jax']}, {res['time']})"
-    return f"{head}\n\n{TABLES[res['mode']](res)}"
+    try:
+        table = TABLES[res["mode"]](res)
+    except KeyError as e:
+        raise ValueError(f"{path}: a --mode={res['mode']} output without {e}") from None
+    return f"{head}\n\n{table}"
 
 
 def main(argv):

@@ -122,9 +122,10 @@ def _time_pattern(shape, grid, pattern, sigma, fns, reps) -> dict:
         w = {"w_gate": wg, "w_up": wu, "w_down": wd}
         g = jax.random.normal(jax.random.key(i), x.shape, x.dtype)
         d_ms, s_ms = [], []
+        half = max(1, reps // 2)  # at least one call per half (reps=1 times two)
         for _ in range(2):  # dense, sparse, dense, sparse
-            d_ms += _call_times_ms(dense, (x, w, g), reps // 2)
-            s_ms += _call_times_ms(sparse, (x, w, g), reps // 2)
+            d_ms += _call_times_ms(dense, (x, w, g), half)
+            s_ms += _call_times_ms(sparse, (x, w, g), half)
         hot, tail = shares(x, w)
         rec["l0"].append(float(jnp.mean(jnp.sum(jnp.einsum("mh,nh->mn", x, wg) > 0, axis=1))))
         rec["dense_ms"].append(statistics.median(d_ms))
@@ -145,8 +146,9 @@ def measure(
     and fits the switch's rule to them (`fit_rule`).
 
     Dense and sparse alternate within each case (the same power state for both) and
-    each time is the median of `reps` synchronised calls. `holdout` ({name: (pattern,
-    sigma)}) adds patterns that are timed and judged but not fitted to.
+    each time is the median of `reps` synchronised calls (at least two: one per half).
+    `holdout` ({name: (pattern, sigma)}) adds patterns that are timed and judged but not
+    fitted to.
 
     Returns:
       {"shape", "device", "l0_grid", "patterns": {pattern: {"sigma", "l0", "dense_ms",

@@ -10,7 +10,7 @@ import pytest
 from experiments import benchmark_attention_layout as bal
 from experiments import benchmark_decode_attention as bda
 from experiments import benchmark_prompt_attention as bpa
-from tests.experiments.cli import run_module
+from tests.experiments.cli import refusal, run_module
 
 
 def _run_small(monkeypatch, module, **constants) -> dict:
@@ -53,3 +53,15 @@ def test_help_shows_the_usage_and_the_out_flag(module):
     usage = re.search(rf"python -m {module.__name__}[^\n]*(\n +[^\n]+)*", proc.stdout)[0]
     # A continued usage line keeps its backslash and newline (no run of spaces instead).
     assert "--out=results/" in usage and not re.search(r"\S {2,}-", usage), usage
+
+
+@pytest.mark.parametrize("module", [bal, bda, bpa], ids=lambda m: m.__name__.split(".")[-1])
+def test_on_cpu_or_with_a_bad_out_the_run_is_refused_before_any_work(module):
+    """Off a GPU the profiler traces no device kernels: busy times of 0 are refused, as
+    is an --out whose directory is missing and a positional argument."""
+    cpu = run_module(module.__name__, "--out=results/never_written.json")
+    assert "refused: times the GPU's kernels" in refusal(cpu)
+    assert cpu.stdout == ""
+    no_dir = run_module(module.__name__, "--out=/nonexistent_dir/x.json")
+    assert "--out=/nonexistent_dir/x.json: no directory" in refusal(no_dir)
+    assert "unexpected arguments ['stray']" in refusal(run_module(module.__name__, "stray"))

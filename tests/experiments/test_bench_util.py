@@ -3,6 +3,8 @@
 The timed functions advance a fake clock instead of sleeping, so the times are exact.
 """
 
+import json
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -167,3 +169,12 @@ def test_kernel_times_runs_on_a_host_without_device_kernels():
     table = bu.kernel_times(fn, jnp.ones(4), calls=2)
     assert isinstance(table, dict)
     assert all("GPU" not in name for name in table)
+
+
+def test_write_cases_records_the_command(tmp_path):
+    out = tmp_path / "cases.json"
+    doc = "Title.\n\n    python -m x --out=y\n\nWhat it\nmeasures."
+    bu.write_cases(doc, {"a": 1}, str(out), "python -m x --out=y")
+    res = json.loads(out.read_text())
+    assert res["command"] == "python -m x --out=y" and res["cases"] == {"a": 1}
+    assert res["measures"] == "What it measures."

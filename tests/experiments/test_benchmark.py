@@ -156,3 +156,81 @@ def test_synthetic_benchmarks_import_without_grain():
         "import experiments.benchmark_train_model"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, timeout=300)
+
+
+@pytest.mark.parametrize(
+    "args, why",
+    [
+        (["--mode=train", "--out=/nonexistent_dir/x.json"], "--out=/nonexistent_dir/x.json: no"),
+        (["--mode=model", "--model_presets=tiny,bogus"], "--model_presets: model preset 'bogus'"),
+        (["--mode=switch", "--model_presets=tiny,bogus"], "--model_presets: model preset"),
+        (["--mode=generate", "--model_presets=bogus"], "--model_presets: model preset"),
+        (["--mode=train_model", "--model_presets=bogus"], "--model_presets: model preset"),
+        (["--mode=decode", "--decode_config=bogus=1"], "--decode_config=bogus=1: unknown"),
+        (["--mode=tune", "--tune_t2d_cfg=1,2"], "--tune_t2d_cfg=1,2: want <g,w,bh>:<g,w,bh>"),
+        (["--mode=tune", "--tune_pack_cfg=a"], "--tune_pack_cfg=a:"),
+        (["--mode=switch", "--switch_holdout=nosuch:0.5"], "--switch_holdout=nosuch:0.5:"),
+        (["--mode=switch", "--switch_holdout=skew:x"], "sigma is not a number"),
+        (["--mode=model", "--model_workdirs=runs/nosuch"], "--model_workdirs: runs/nosuch is"),
+        (["--mode=train", "--tokens=abc"], "--tokens=abc: not an int"),
+        (["--mode=train", "--train_config=bogus=1"], "--train_config: unknown config key"),
+        (["--mode=train", "--train_config=nokv"], "--train_config: 'nokv': expected"),
+        (["--mode=train", "--train_config_compare=nokv"], "--train_config_compare: 'nokv'"),
+        (["--mode=train", "--reps=0"], "--reps=0: must be at least 1"),
+        (["--mode=train_model", "--train_model_workdir=runs/nosuch"], "--train_model_workdir:"),
+        (["--mode=train_model", "--train_model_set=nokv"], "--train_model_set: 'nokv'"),
+        (["--mode=decode", "--decode_kernel_trace"], "--decode_kernel_trace records the GPU"),
+        (["--mode=generate", "--decode_kernel_trace"], "--decode_kernel_trace records the GPU"),
+    ],
+)
+def test_values_found_bad_are_refused_before_any_measurement(args, why):
+    proc = run_module("benchmark", *args)
+    assert why in refusal(proc)
+    assert proc.stdout == ""  # nothing measured or printed
+
+
+def test_the_switch_mode_runs_at_one_rep(tmp_path):
+    """--reps=1 times one call per half of the dense/sparse rotation (and --out records
+    the command)."""
+    out = tmp_path / "switch.json"
+    flags = ["--mode=switch", "--model_presets=tiny", "--train_tokens=64", "--reps=1"]
+    proc = run_module("benchmark", *flags, "--switch_l0_grid=8", f"--out={out}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["command"].startswith("python -m experiments.benchmark --mode=switch")
+    (case,) = res["cases"]
+    assert case["preset"] == "tiny" and json.loads(proc.stdout.splitlines()[-1])["preset"]
+
+
+def test_the_tune_mode_prints_json_lines(capsys):
+    import jax.numpy as jnp
+
+    from experiments import benchmark_tune
+    from pallas_kernels.twell.config import PackConfig
+
+    rows = benchmark_tune._time_configs(
+        "pack", [PackConfig()], lambda cfg: lambda x: x + 1, (jnp.ones(4),),
+        warmup=0, reps=1, inner=1,
+    )  # fmt: skip
+    (line,) = capsys.readouterr().out.splitlines()
+    assert json.loads(line) == {"kind": "pack", **rows[0]}
+
+
+def test_results_table_refuses_a_list_and_a_record_without_its_command(tmp_path, caplog):
+    listed = tmp_path / "list.json"
+    listed.write_text("[1, 2]")
+    assert results_table.main(["results_table", str(listed)]) == results_table.EXIT_REFUSED
+    assert "list.json: not a benchmark output (a JSON list)" in caplog.text
+    bare = tmp_path / "bare.json"
+    bare.write_text('{"mode": "train", "cases": []}')
+    assert results_table.main(["results_table", str(bare)]) == results_table.EXIT_REFUSED
+    assert "bare.json: a --mode=train output without ['command', 'device', 'jax'" in caplog.text
+
+
+def test_results_table_names_a_trained_run_by_its_workdir():
+    case = {"compression": 8, "tokens": 64, "twell_l0_mean": 5.0, "dense_tokens_per_ms": 2.0,
+            "twell_tokens_per_ms": 1.0, "speedup": 0.5, "twell_overflow_tiles": 0,
+            "body_norm_rel_err": 1e-3}  # fmt: skip
+    trained = {**case, "workdir": "/tmp/runs/350m_l1_1e-3", "l1_coef": 1e-3, "step": 9}
+    table = results_table.model_table({"cases": [], "trained": [trained]})
+    assert "| 350m_l1_1e-3, λ=0.001 (step 9) | 8 |" in table and "125m" not in table

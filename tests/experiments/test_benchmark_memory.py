@@ -12,6 +12,7 @@ import pytest
 
 from experiments import benchmark_memory as bm
 from experiments import benchmark_train_model
+from tests.experiments.cli import refusal, run_module
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 PROBE = bm.Probe("tiny", "sparse", 8, 64, 20.0, 2e-5, 2, 8)
@@ -196,3 +197,20 @@ def test_importing_it_beside_pretrain_defines_no_clashing_flags():
     code = "import experiments.benchmark_memory, experiments.pretrain, experiments.benchmark"
     run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    "args, why",
+    [
+        (["--ffn_impls=bogus"], "--ffn_impls must be some of ('dense', 'sparse')"),
+        (["--preset=bogus"], "model preset 'bogus': must be one of"),
+        (["--preset=tiny", "--set=nokv"], "--set: 'nokv': expected"),
+        (["--preset=tiny", "--set=bogus=1"], "unknown config key 'bogus' for ModelConfig"),
+        (["--preset=tiny", "--steps=0"], "--batch, --seq and --steps must be at least 1"),
+        (["--out=/nonexistent_dir/x.json"], "--out=/nonexistent_dir/x.json: no directory"),
+        (["stray"], "unexpected arguments ['stray']"),
+    ],
+)
+def test_bad_flags_are_refused_in_one_line_before_any_probe(args, why):
+    proc = run_module("benchmark_memory", *args)
+    assert why in refusal(proc) and proc.stdout == ""

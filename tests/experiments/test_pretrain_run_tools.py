@@ -57,6 +57,7 @@ def test_trained_checkpoint_neuron_profile_and_captured_benchmark(straight, data
     )
     assert "fewer than one batch of 100000" in refusal(too_many)
     prof = json.loads(out.read_text())
+    assert prof["command"].startswith(f"python -m experiments.neuron_profile --workdir={workdir}")
     assert prof["step"] == 6 and prof["tokens"] == 64 and len(prof["layers"]) == 2
     for rec in prof["layers"]:
         assert 0 < rec["l0"] <= rec["l0_max"] and 0 <= rec["dead_share"] < 1
@@ -128,6 +129,20 @@ def test_quality_report_labels_runs_apart_by_directory():
         labels([runs[0], runs[0]])
     with pytest.raises(ValueError, match="share a name and a directory name"):
         labels([Path("a/run/metrics.jsonl"), Path("b/run/metrics.jsonl")])
+
+
+def test_quality_report_refusals_are_one_line(tmp_path):
+    def report(*args):
+        return run_module("quality_report", *args)
+
+    only_train = tmp_path / "only_train.jsonl"
+    only_train.write_text('{"kind": "train", "step": 1}\n')
+    assert "give one or more metrics.jsonl files" in refusal(report())
+    assert "no_such.jsonl: no such file" in refusal(report(str(tmp_path / "no_such.jsonl")))
+    assert "is a directory" in refusal(report(str(tmp_path)))
+    assert "at least one train and one eval record" in refusal(report(str(only_train)))
+    no_dir = report("--plot=/nonexistent_dir/q.png", str(only_train))
+    assert "--plot=/nonexistent_dir/q.png: no directory" in refusal(no_dir)
 
 
 def test_quality_report_usage_keeps_its_line_continuation():

@@ -207,3 +207,26 @@ def test_both_branches_report_the_shares_the_switch_reads(pattern, sigma):
         assert 0.1 < float(dense["hot_share"]) < 1.0
     else:
         assert float(dense["tail_load"]) > 0.0
+
+
+def test_time_pattern_times_both_halves_at_one_rep():
+    """--mode=switch --reps=1: each half of the rotation times one call (reps // 2 would
+    time none, and the median of no times raises)."""
+    import jax.numpy as jnp
+
+    shape = switch_cost.LayerShape(64, 32, 64, 16)
+    calls = []
+
+    def branch(name):
+        def fn(x, w, g):
+            calls.append(name)
+            return x
+
+        return fn
+
+    shares = lambda x, w: (jnp.float32(0.5), jnp.float32(0.0))
+    fns = (branch("dense"), branch("sparse"), shares)
+    rec = switch_cost._time_pattern(shape, (8.0,), "uniform", 1.0, fns, reps=1)
+    assert len(rec["dense_ms"]) == len(rec["sparse_ms"]) == 1 and rec["ratio"][0] > 0
+    timed = 2 * (switch_cost._WARMUP + 1)  # two halves of warm-up and one timed call
+    assert calls.count("dense") == calls.count("sparse") == timed
