@@ -60,13 +60,36 @@ class LayerShape:
         return f"{jax.devices()[0].device_kind}|{self.m}x{self.h}x{self.n}|W{self.ell_width}"
 
 
+def monotone(ratios) -> list[float]:
+    """`ratios` (ascending l0) made non-decreasing: adjacent points that fall pooled into
+    their geometric mean (pool-adjacent-violators in log ratio, equal weights).
+
+    For one activation pattern the sparse op's work grows with l0 and the dense
+    branch's does not, so a ratio below an earlier one is timing noise. Unpooled, one
+    disturbed point above 1 ended the crossover search at it: on an H100 a uniform
+    125M point at l0 16 read 1.01 between 0.77 and 0.84, which put the cutoff at 15.8
+    where the neighbours cross near 38 (docs/results.md, "Where the switch puts a
+    layer").
+    """
+    blocks: list[list[float]] = []  # [sum of log ratios, points]
+    for r in ratios:
+        blocks.append([math.log(r), 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    return [math.exp(total / count) for total, count in blocks for _ in range(int(count))]
+
+
 def crossover(l0_grid, ratios) -> float:
     """The l0 below which sparse wins: where `ratios` (sparse / dense time, one per grid
-    point, ascending l0) crosses 1, interpolated linearly in (log l0, log ratio).
+    point, ascending l0), made non-decreasing (`monotone`), cross 1, interpolated
+    linearly in (log l0, log ratio).
 
     0 when sparse loses already at the first grid point, the last grid point when it
     wins everywhere on the grid (no claim beyond what was measured).
     """
+    ratios = monotone(ratios)
     if ratios[0] >= 1.0:
         return 0.0
     for i in range(1, len(ratios)):

@@ -18,6 +18,19 @@ def test_crossover_interpolates_in_log_space():
     assert switch_cost.crossover([2, 4, 8], [0.5, 0.6, 0.9]) == 8.0  # no claim past the grid
 
 
+def test_one_disturbed_point_does_not_end_the_search():
+    """A ratio above 1 that the points after it contradict is pooled with them."""
+    grid = [2, 4, 8, 16, 32, 64]
+    noisy = [0.4, 1.05, 0.6, 0.7, 0.9, 1.2]
+    pooled = switch_cost.monotone(noisy)
+    assert pooled == sorted(pooled)
+    assert pooled[1] == pytest.approx((1.05 * 0.6 * 0.7) ** (1 / 3))
+    assert pooled[0] == 0.4 and pooled[4:] == pytest.approx([0.9, 1.2])
+    # Between 32 (0.9) and 64 (1.2): 32 * 2^(log(1/0.9) / log(1.2/0.9)).
+    assert switch_cost.crossover(grid, noisy) == pytest.approx(32 * 2 ** (0.10536 / 0.28768), 1e-4)
+    assert switch_cost.monotone([0.5, 0.6, 2.0]) == pytest.approx([0.5, 0.6, 2.0])
+
+
 def _cutoff(l0):
     """A plain l0 cutoff as the rule of a record without a shift (`rule_config`)."""
     return switch_cost.rule_config({"cutoff": l0})
