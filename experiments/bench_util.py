@@ -327,13 +327,6 @@ def write_cases(doc: str, cases: dict, out: str, command: str = "") -> None:
             json.dump(res, f, indent=1)
 
 
-def _command(argv: list[str]) -> str:
-    """The command line of the module running as __main__: python -m <module> <flags>."""
-    spec = getattr(sys.modules["__main__"], "__spec__", None)
-    module = spec.name if spec else argv[0]
-    return " ".join([f"python -m {module}", *argv[1:]])
-
-
 def main_writing_cases(doc: str, run: Callable[[], dict]) -> None:
     """The absl entry point of a standalone benchmark module: `--out`, then
     `write_cases(doc, run(), --out, the command)`. The flag is defined here, when the
@@ -358,7 +351,9 @@ def main_writing_cases(doc: str, run: Callable[[], dict]) -> None:
         except (FileNotFoundError, ValueError) as e:
             logging.error("refused: %s", e)
             return EXIT_REFUSED
-        write_cases(doc, run(), out.value, _command(sys.argv))
+        spec = getattr(sys.modules["__main__"], "__spec__", None)  # run with -m
+        module = spec.name if spec else sys.argv[0]
+        write_cases(doc, run(), out.value, entry_points.command_line(module))
         return 0
 
     app.run(main)

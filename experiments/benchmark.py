@@ -51,7 +51,6 @@ import contextlib
 import json
 import os
 import platform
-import sys
 import time
 
 import jax
@@ -283,7 +282,7 @@ def main(argv):
     )
     result = {
         "mode": FLAGS.mode,
-        "command": " ".join(["python -m experiments.benchmark", *sys.argv[1:]]),
+        "command": entry_points.command_line("experiments.benchmark"),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),  # the compiler's flags shape the timings
         "device": str(jax.devices()[0].device_kind),
         "jax": jax.__version__,

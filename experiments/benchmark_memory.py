@@ -399,7 +399,7 @@ def main(argv):
         return probe_main(base)
     env = child_env(FLAGS.allocator, FLAGS.mem_fraction)
     result = {
-        "command": " ".join(["python -m experiments.benchmark_memory", *sys.argv[1:]]),
+        "command": entry_points.command_line("experiments.benchmark_memory"),
         "host": platform.node(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "allocator": FLAGS.allocator,

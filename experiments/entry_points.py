@@ -1,12 +1,14 @@
 """What every entry point of `experiments` shares: its first step (`start_cli`: the
-log filter, and positional arguments refused in one line) and the check of an output
-file's path. Flag-free and light (no JAX import), so any CLI can import it.
+log filter, and positional arguments refused in one line), the check of an output
+file's path and the command line its result records (`command_line`). Flag-free and
+light (no JAX import), so any CLI can import it.
 """
 
 from __future__ import annotations
 
 import logging as py_logging
 import os
+import sys
 from pathlib import Path
 
 from absl import logging
@@ -26,6 +28,11 @@ def keep_log_record(record: py_logging.LogRecord) -> bool:
     if "/orbax/" in record.pathname:
         return False
     return not record.getMessage().startswith("Unable to initialize backend")
+
+
+def command_line(module: str) -> str:
+    """The command a result records: `python -m <module>` and this process's arguments."""
+    return " ".join([f"python -m {module}", *sys.argv[1:]])
 
 
 def check_output_file(flag: str, path: str | None) -> None:

@@ -18,7 +18,6 @@ validation split, an --out that cannot be written, positional arguments).
 from __future__ import annotations
 
 import json
-import sys
 
 import jax.numpy as jnp
 from absl import app, flags, logging
@@ -69,7 +68,7 @@ def main(argv):
     print(f"{result['workdir']} at step {result['step']}, {result['tokens']} tokens")
     print(neuron_profile.table(result["layers"]))
     if _OUT.value:
-        command = " ".join(["python -m experiments.neuron_profile", *sys.argv[1:]])
+        command = entry_points.command_line("experiments.neuron_profile")
         with open(_OUT.value, "w") as f:
             json.dump({"command": command, **result}, f, indent=1)
     return 0

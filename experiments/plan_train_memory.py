@@ -42,7 +42,6 @@ import pathlib
 import platform
 import re
 import shutil
-import sys
 import tempfile
 import time
 
@@ -223,7 +222,7 @@ def _plan_all(dump_dir: str) -> int:
     gpus = compile_only.devices(text, FLAGS.devices)
     mesh = sharding.make_mesh(FLAGS.mesh_data, FLAGS.mesh_fsdp, devices=gpus)
     result = {
-        "command": " ".join(["python -m experiments.plan_train_memory", *sys.argv[1:]]),
+        "command": entry_points.command_line("experiments.plan_train_memory"),
         "host": platform.node(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "jax": jax.__version__,
