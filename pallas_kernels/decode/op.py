@@ -51,10 +51,10 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _triton as tr
+from pallas_kernels._operands import check_gated_mlp
 from pallas_kernels.decode import kernels, reference
 from pallas_kernels.decode.kernels import DecodeConfig
 
-DTYPES = (jnp.bfloat16, jnp.float32)
 # Tokens per call above which the dense formula runs. On an H200 at l0 ~ 29 and N = 5632
 # the kernels take 0.56x the dense GPU time at M = 1, 0.64x at M = 2, 0.83x at M = 4
 # and 8, and 2-3x at M = 64, where 12-28% of the neurons fire (docs/results.md,
@@ -81,29 +81,9 @@ def decode_supported(h: int, n: int, config: DecodeConfig = DecodeConfig()) -> s
     return config.unsupported(h, n)
 
 
-def _check_inputs(x: jax.Array, weights: tuple[jax.Array, ...]) -> None:
-    names = ("w_gate", "w_up", "w_down")
-    if jnp.ndim(x) < 1:
-        raise ValueError(f"x must be [..., H], got a scalar of shape {jnp.shape(x)}")
-    if x.dtype not in DTYPES:
-        raise ValueError(f"x must be bfloat16 or float32, got {x.dtype}")
-    for name, w in zip(names, weights, strict=True):
-        if jnp.ndim(w) != 2:
-            raise ValueError(f"{name} must be an [N, H] matrix, got shape {jnp.shape(w)}")
-    h, n = x.shape[-1], weights[0].shape[0]
-    for name, w in zip(names, weights, strict=True):
-        if w.shape != (n, h):
-            raise ValueError(
-                f"{name} must be [N, H] = [{n}, {h}] like w_gate with H = x.shape[-1], "
-                f"got {w.shape}"
-            )
-        if w.dtype != x.dtype:
-            raise ValueError(f"{name} must have x's dtype {x.dtype}, got {w.dtype}")
-
-
 def _checked_impl(x, weights, impl: str, config: DecodeConfig, max_tokens: int) -> str:
     """Checks a call's operands and max_tokens; returns the backend that runs."""
-    _check_inputs(x, weights)
+    check_gated_mlp(x, weights)
     if not 1 <= max_tokens <= kernels.MAX_TOKENS:
         raise ValueError(f"max_tokens={max_tokens}: must be in [1, {kernels.MAX_TOKENS}]")
     reason = decode_supported(x.shape[-1], weights[0].shape[0], config)

@@ -44,6 +44,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from pallas_kernels import _triton
+from pallas_kernels._operands import check_gated_mlp
 from pallas_kernels.sparse_train import compaction, csc, dense_rows, hot, row_kernels
 from pallas_kernels.sparse_train import format as fmt
 from pallas_kernels.sparse_train.config import LAUNCH_FIELDS, SparseTrainConfig
@@ -358,21 +359,9 @@ def sparse_gated_mlp_train(
             `resolve_config`), a scalar x, weights that are not [N, H] matrices, an x
             neither bf16 nor fp32, or weights of another dtype than x's.
     """
-    if jnp.ndim(x) < 1:
-        raise ValueError(f"x must be [..., H] with at least one axis, got shape {jnp.shape(x)}")
-    for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
-        if jnp.ndim(w) != 2:
-            raise ValueError(f"{name} must be an [N, H] matrix, got shape {jnp.shape(w)}")
+    check_gated_mlp(x, (w_gate, w_up, w_down))
     lead, h = x.shape[:-1], x.shape[-1]
     n = w_gate.shape[0]
-    for w in (w_gate, w_up, w_down):
-        if w.shape != (n, h):
-            raise ValueError(f"weights must all be [N, H] = {(n, h)}, got {w.shape}")
-    if x.dtype not in (jnp.bfloat16, jnp.float32):
-        raise ValueError(f"x must be bfloat16 or float32, got {x.dtype}")
-    for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
-        if w.dtype != x.dtype:
-            raise ValueError(f"{name} must have x's dtype {x.dtype}, got {w.dtype}")
     x2 = x.reshape(-1, h)
     if x2.shape[0] == 0:
         # No tokens: nothing to launch. The outputs depend on no input, so every
