@@ -95,11 +95,8 @@ def _check_inputs(qkv, cos, sin, cache_k, cache_v, slot, pad, n_heads: int) -> N
             f"cache_k and cache_v must both be [B, T, n_kv_heads, head_dim], got "
             f"{cache_k.shape} and {cache_v.shape}"
         )
+    check_heads_and_caches(qkv.dtype, cache_k, cache_v, pad, n_heads)
     b, _, kv, d = cache_k.shape
-    if n_heads < 1 or n_heads % kv:
-        raise ValueError(f"n_heads={n_heads} must be a positive multiple of n_kv_heads={kv}")
-    if d % 2:
-        raise ValueError(f"head_dim={d} must be even for RoPE")
     if qkv.shape != (b, (n_heads + 2 * kv) * d):
         raise ValueError(
             f"qkv must be [B, (n_heads + 2 n_kv_heads) head_dim] = [{b}, "
@@ -108,12 +105,23 @@ def _check_inputs(qkv, cos, sin, cache_k, cache_v, slot, pad, n_heads: int) -> N
     for name, a in (("cos", cos), ("sin", sin)):
         if a.shape != (b, d // 2):
             raise ValueError(f"{name} must be [B, head_dim / 2] = [{b}, {d // 2}], got {a.shape}")
-    if cache_k.dtype != qkv.dtype or cache_v.dtype != qkv.dtype:
-        raise ValueError(
-            f"the caches must have qkv's dtype {qkv.dtype}, got {cache_k.dtype} / {cache_v.dtype}"
-        )
     if jnp.shape(slot) != () or not jnp.issubdtype(jnp.result_type(slot), jnp.integer):
         raise ValueError(f"slot must be an integer scalar, got shape {jnp.shape(slot)}")
+
+
+def check_heads_and_caches(dtype, cache_k, cache_v, pad, n_heads: int) -> None:
+    """What the decode and prompt attention ops check alike, on caches already [B, T,
+    nKV, D] of one shape: n_heads a multiple of nKV, an even head_dim, caches of qkv's
+    `dtype`, and pad an integer [B]. Raises ValueError naming the operand."""
+    b, _, kv, d = cache_k.shape
+    if n_heads < 1 or n_heads % kv:
+        raise ValueError(f"n_heads={n_heads} must be a positive multiple of n_kv_heads={kv}")
+    if d % 2:
+        raise ValueError(f"head_dim={d} must be even for RoPE")
+    if cache_k.dtype != dtype or cache_v.dtype != dtype:
+        raise ValueError(
+            f"the caches must have qkv's dtype {dtype}, got {cache_k.dtype} / {cache_v.dtype}"
+        )
     if jnp.shape(pad) != (b,) or not jnp.issubdtype(jnp.result_type(pad), jnp.integer):
         raise ValueError(f"pad must be an integer [B] = [{b}], got shape {jnp.shape(pad)}")
 

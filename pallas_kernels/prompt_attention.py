@@ -40,6 +40,7 @@ from pallas_kernels import _triton as tr
 from pallas_kernels.decode_attention import (
     EMPTY_MAX,
     cached_attention,
+    check_heads_and_caches,
     rope_and_cache,
 )
 
@@ -182,28 +183,19 @@ def prompt_attention(
             f"qkv must be [B, S, F] and the caches [B, T, n_kv_heads, head_dim] alike, got "
             f"{qkv.shape}, {cache_k.shape} and {cache_v.shape}"
         )
+    check_heads_and_caches(qkv.dtype, cache_k, cache_v, pad, n_heads)
     (b, s, f), (_, t, kv, d) = qkv.shape, cache_k.shape
-    if n_heads < 1 or n_heads % kv:
-        raise ValueError(f"n_heads={n_heads} must be a positive multiple of n_kv_heads={kv}")
     if f != (n_heads + 2 * kv) * d or cache_k.shape[0] != b or s > t:
         raise ValueError(
             f"qkv must be [B, S, (n_heads + 2 n_kv_heads) head_dim] = [{b}, S <= {t}, "
             f"{(n_heads + 2 * kv) * d}] for caches {cache_k.shape}, got {qkv.shape}"
         )
-    if d % 2:
-        raise ValueError(f"head_dim={d} must be even for RoPE")
     for name, a in (("cos", cos), ("sin", sin)):
         if a.shape not in ((b, s, d // 2), (s, d // 2)):
             raise ValueError(
                 f"{name} must be [B, S, head_dim / 2] = [{b}, {s}, {d // 2}] or [S, head_dim / "
                 f"2], got {a.shape}"
             )
-    if cache_k.dtype != qkv.dtype or cache_v.dtype != qkv.dtype:
-        raise ValueError(
-            f"the caches must have qkv's dtype {qkv.dtype}, got {cache_k.dtype} / {cache_v.dtype}"
-        )
-    if jnp.shape(pad) != (b,) or not jnp.issubdtype(jnp.result_type(pad), jnp.integer):
-        raise ValueError(f"pad must be an integer [B] = [{b}], got shape {jnp.shape(pad)}")
     reason = config.unsupported(d, max(b * s * n_heads * d, b * t * kv * d))
     impl = tr.resolve_impl(impl, qkv.dtype, reason, "qkv")
     if impl == "xla":
