@@ -172,6 +172,7 @@ class _Reader:
                 self._open[name] = self._safe_open(str(path), framework="np").__enter__()
             except Exception as e:  # safetensors raises its own SafetensorError
                 raise ValueError(f"{path}: not a readable safetensors file: {e}") from e
+            self._keys[name] = set(self._open[name].keys())
         return self._open[name]
 
     def _file_of(self, name: str) -> Any:
@@ -179,7 +180,7 @@ class _Reader:
         if name not in self.weight_map:
             raise ValueError(f"{self.dir}: no tensor {name!r}, which the config implies")
         f = self._file(self.weight_map[name])
-        if name not in self._keys.setdefault(self.weight_map[name], set(f.keys())):
+        if name not in self._keys[self.weight_map[name]]:
             raise ValueError(
                 f"{self.dir / self.weight_map[name]}: no tensor {name!r}, which "
                 f"{INDEX_FILE} places there"
