@@ -215,11 +215,14 @@ class SparsityConfig:
         while its last measured l0 is below its cutoff (this, moved by
         sparse_hot_shift: `sparsity.l0_cutoff`) and its heavy rows fit the sparse op's
         dense tail (`sparsity.next_use_sparse`).
-      sparse_hot_shift: (low, high, shift): hot neurons (the sparse op's dense block)
-        make the sparse step cheaper, so a layer whose hot neurons hold `high` of its
-        entries or more has its cutoff moved by `shift` (l0 units), one at `low` or
-        less not at all, and one in between in proportion. "cost" sets it from the
-        uniform and skewed calibration patterns.
+      sparse_hot_shift: knots (share_1, shift_1, share_2, shift_2, ...), shares
+        ascending in [0, 1]: hot neurons (the sparse op's dense block) make the sparse
+        step cheaper, so a layer's cutoff moves by the shift (l0 units) interpolated
+        linearly at its hot share, held at the end knots. "cost" sets one knot per
+        calibration pattern: the uniform one's share with no shift, and each skewed
+        one's share at its own crossover with that crossover's distance from the
+        uniform one. A saved 3-tuple (low, high, shift), the earlier form, stands for
+        the knots (low, 0, high, shift).
       sparse_recheck_every: steps between re-evaluations of that per-layer switch.
     """
 
@@ -230,7 +233,7 @@ class SparsityConfig:
     reinit_dead_every: int = 0
     sparse_switch: str = "cost"
     sparse_l0_cutoff: float = 50.0
-    sparse_hot_shift: tuple[float, float, float] = (0.0, 1.0, 0.0)
+    sparse_hot_shift: tuple[float, ...] = (0.0, 0.0)
     sparse_recheck_every: int = 20
 
     def __post_init__(self):
@@ -247,8 +250,23 @@ class SparsityConfig:
         _require(
             self, "sparse_switch", self.sparse_switch in ("cost", "l0"), "must be 'cost' or 'l0'"
         )
-        low, high, _ = self.sparse_hot_shift
-        _require(self, "sparse_hot_shift", 0 <= low < high, "needs 0 <= low < high")
+        knots = tuple(float(v) for v in self.sparse_hot_shift)
+        if len(knots) == 3:  # the earlier (low, high, shift) of saved configs
+            knots = (knots[0], 0.0, knots[1], knots[2])
+        object.__setattr__(self, "sparse_hot_shift", knots)
+        shares = knots[0::2]
+        _require(
+            self,
+            "sparse_hot_shift",
+            len(knots) >= 2 and len(knots) % 2 == 0 and all(map(math.isfinite, knots)),
+            "needs finite (share, shift) pairs",
+        )
+        _require(
+            self,
+            "sparse_hot_shift",
+            shares[0] >= 0 and shares[-1] <= 1 and list(shares) == sorted(set(shares)),
+            "needs shares ascending in [0, 1]",
+        )
         _require_positive(self, "sparse_recheck_every")
 
 

@@ -151,16 +151,16 @@ def reinit_dead_rows(
 
 
 def l0_cutoff(hot_share, cfg: SparsityConfig):
-    """A layer's l0 cutoff (docs/design.md §7.1): `sparse_l0_cutoff`, moved by
-    `sparse_hot_shift` in proportion to where the layer's hot share lies between its
-    (low, high) shares, held at the ends (no extrapolation past the calibration
-    patterns).
+    """A layer's l0 cutoff (docs/design.md §7.1): `sparse_l0_cutoff`, moved by the
+    shift that `sparse_hot_shift`'s knots give at the layer's hot share (linear between
+    knots, held at the end ones: no extrapolation past the calibration patterns).
 
     hot_share: fp32 array of any shape (or a float); returns its shape.
     """
-    low, high, shift = cfg.sparse_hot_shift
-    part = (jnp.asarray(hot_share, jnp.float32) - low) / (high - low)
-    return cfg.sparse_l0_cutoff + shift * jnp.clip(part, 0.0, 1.0)
+    knots = cfg.sparse_hot_shift
+    shares = jnp.asarray(knots[0::2], jnp.float32)
+    shifts = jnp.asarray(knots[1::2], jnp.float32)
+    return cfg.sparse_l0_cutoff + jnp.interp(jnp.asarray(hot_share, jnp.float32), shares, shifts)
 
 
 def sparse_wins(l0, hot_share, tail_load, cfg: SparsityConfig):

@@ -8,9 +8,9 @@ pattern: hot neurons make the sparse step cheaper (they take a dense block), and
 rows past the tail's capacity make the op fall back to dense. So the rule is
 measured, not guessed: for the run's per-device FFN shape, the FFN forward and
 backward of both branches of the model's switch are timed on synthetic gates of each
-pattern of `synthetic.PATTERNS` over a grid of l0 values. The uniform pattern's
+calibration pattern (`CALIBRATION`) over a grid of l0 values. The uniform pattern's
 crossover (log-linear interpolation between grid points) is the base cutoff, and the
-skewed pattern's crossover gives how far a layer's hot-neuron share moves it
+skewed patterns' crossovers give how far a layer's hot-neuron share moves it
 (`fit_rule`, `sparsity.l0_cutoff`). The measurement runs once per (device, shape,
 config) and is kept in the workdir (`FILE_NAME`), so a resumed run takes the same
 decisions.
@@ -35,11 +35,20 @@ from twell_jax.config import SparsityConfig, TrainConfig
 
 FILE_NAME = "switch_cost.json"
 L0_GRID = (2.0, 4.0, 8.0, 16.0, 32.0, 48.0, 64.0, 96.0)
-# Pattern strengths of the calibration: skew sigma = 1 is what trained checkpoints show
-# (docs/results.md, "Activation patterns"), heavy_rows sigma = 0.35 a p99 of ~13x l0.
-_SIGMA = {"uniform": 1.0, "skew": 1.0, "heavy_rows": 0.35}
-# (low, high, shift) of a share that moves no cutoff.
-_NO_SHIFT = (0.0, 1.0, 0.0)
+# The calibration patterns, name -> (pattern, sigma): skew sigma = 1 is what trained
+# checkpoints show (docs/results.md, "Activation patterns"), heavy_rows sigma = 0.35 a
+# p99 of ~13x l0. Two skews, because the cutoff's shift is not linear in the hot share:
+# at the 2B shape sigma = 0.5 (hot share ~0.7 at its crossover) moves it by ~2, sigma =
+# 1 (~0.88) by ~16, and one knot per skew keeps a layer between them near its own
+# crossover (docs/performance_notes.md, "Per-layer switch").
+CALIBRATION = {
+    "uniform": ("uniform", 1.0),
+    "skew": ("skew", 1.0),
+    "skew:0.5": ("skew", 0.5),
+    "heavy_rows": ("heavy_rows", 0.35),
+}
+# The knots of a share that moves no cutoff.
+_NO_SHIFT = (0.0, 0.0)
 # Untimed calls of each branch before each run of timed ones.
 _WARMUP = 3
 # l0 values, evenly spaced in log l0, at which `max_regret_between` judges the rule.
@@ -165,8 +174,8 @@ def measure(
     reps: int = 10,
     holdout: dict[str, tuple[str, float]] | None = None,
 ) -> dict:
-    """Times both branches of the switch at `shape` on every pattern and grid point,
-    and fits the switch's rule to them (`fit_rule`).
+    """Times both branches of the switch at `shape` on every `CALIBRATION` pattern and
+    grid point, and fits the switch's rule to them (`fit_rule`).
 
     Dense and sparse alternate within each case (the same power state for both) and
     each time is the median of `reps` synchronised calls (at least two: one per half).
@@ -174,7 +183,7 @@ def measure(
     fitted to.
 
     Returns:
-      {"shape", "device", "l0_grid", "patterns": {pattern: {"sigma", "l0", "dense_ms",
+      {"shape", "device", "l0_grid", "patterns": {name: {"sigma", "l0", "dense_ms",
       "sparse_ms", "ratio", "hot_share", "tail_load"}}, `fit_rule`'s keys,
       "max_regret" and "max_regret_between" of the rule on the fitted patterns, and with
       holdout "holdout" (the same per pattern) and "holdout_max_regret_between"}.
@@ -184,7 +193,8 @@ def measure(
     fns = (dense, sparse, _sparse_stats_fn(shape.ell_width))
     grid = [g for g in l0_grid if g < shape.n / 4]
     per_pattern = {
-        p: _time_pattern(shape, grid, p, _SIGMA[p], fns, reps) for p in synthetic.PATTERNS
+        name: _time_pattern(shape, grid, p, sigma, fns, reps)
+        for name, (p, sigma) in CALIBRATION.items()
     }
     rule = fit_rule(per_pattern, grid)
     sp = rule_config(rule)
@@ -220,33 +230,40 @@ def fit_rule(per_pattern: dict, grid) -> dict:
     """The switch's rule from the measured patterns (docs/design.md §7.1).
 
     The uniform pattern's crossover is the base cutoff. Hot neurons move a layer's
-    crossover: the cutoff moves by the distance of the skewed pattern's crossover from
-    the base, in proportion to where the layer's hot share lies between the uniform
-    pattern's share at its crossover (low) and the skewed pattern's at its own (high)
-    (`sparsity.l0_cutoff`); a share that does not grow from one to the other moves
-    nothing. Heavy rows need no fitting: the rule's tail guard (`sparsity.sparse_wins`)
-    is where the sparse op falls back, and below it heavy rows are not dearer than
-    uniform ones (docs/results.md, "Activation patterns").
+    crossover, by an amount that is not linear in the hot share, so the shift is
+    piecewise linear through one knot per pattern: the uniform pattern's share at the
+    base (shift 0), and each skewed pattern's share at its own crossover with that
+    crossover's distance from the base (`sparsity.l0_cutoff`). A knot whose share does
+    not exceed the one before it (sorted by share) is dropped. Heavy rows need no
+    fitting: the rule's tail guard (`sparsity.sparse_wins`) is where the sparse op
+    falls back, and below it heavy rows are not dearer than uniform ones
+    (docs/results.md, "Activation patterns").
 
     Returns:
-      {"cutoff", "hot_shift": [low, high, shift], "cutoffs": each pattern's own
-      crossover}.
+      {"cutoff", "hot_shift": flat knots [share, shift, ...] (`SparsityConfig`),
+      "cutoffs": each pattern's own crossover}.
     """
     cutoffs = {p: crossover(grid, r["ratio"]) for p, r in per_pattern.items()}
     base = cutoffs["uniform"]
-    uniform, skew = per_pattern["uniform"], per_pattern.get("skew")
-    shift = list(_NO_SHIFT)
-    if skew is not None and "hot_share" in skew and "hot_share" in uniform:
-        low = max(float(_stat_at(uniform, "hot_share", base)), 0.0)
-        high = float(_stat_at(skew, "hot_share", cutoffs["skew"]))
-        if high > low:
-            shift = [low, high, cutoffs["skew"] - base]
-    return {"cutoff": base, "hot_shift": shift, "cutoffs": cutoffs}
+    uniform = per_pattern["uniform"]
+    if "hot_share" not in uniform:
+        return {"cutoff": base, "hot_shift": list(_NO_SHIFT), "cutoffs": cutoffs}
+    knots = [(max(float(_stat_at(uniform, "hot_share", base)), 0.0), 0.0)]
+    for name, rec in per_pattern.items():
+        if name != "uniform" and "hot_share" in rec:
+            share = float(_stat_at(rec, "hot_share", cutoffs[name]))
+            knots.append((min(share, 1.0), cutoffs[name] - base))
+    kept = []
+    for share, shift in sorted(knots):
+        if not kept or share > kept[-1][0]:
+            kept.append((share, shift))
+    return {"cutoff": base, "hot_shift": [v for k in kept for v in k], "cutoffs": cutoffs}
 
 
 def rule_config(rule: dict) -> SparsityConfig:
     """A SparsityConfig deciding as `rule` (`fit_rule`'s keys; without "hot_shift", as
-    in older records, a plain l0 cutoff)."""
+    in older records, a plain l0 cutoff; an older 3-value hot_shift (low, high, shift)
+    is read as `SparsityConfig` reads it)."""
     hot_shift = tuple(rule.get("hot_shift", _NO_SHIFT))
     return SparsityConfig(sparse_l0_cutoff=rule["cutoff"], sparse_hot_shift=hot_shift)
 
@@ -363,13 +380,15 @@ def resolve_cutoff(
     rule = rule_config(record)  # older records have no shifts: a plain l0 cutoff
     cutoff = rule.sparse_l0_cutoff
     between = record.get("max_regret_between")  # absent from older records
-    _, hot_ref, hot_shift = rule.sparse_hot_shift
+    knots = rule.sparse_hot_shift
+    pairs = zip(knots[0::2], knots[1::2], strict=True)
+    shifts = ", ".join(f"{d:+.1f} at {h:.2f}" for h, d in pairs)
     logging.info(
-        "per-layer switch: sparse below l0 %.1f at M=%d H=%d N=%d, %+.1f at a hot-neuron "
-        "share of %.2f, while the heavy rows fit the dense tail (worst case %.1f%% slower "
+        "per-layer switch: sparse below l0 %.1f at M=%d H=%d N=%d, moved by the hot-neuron "
+        "share (%s), while the heavy rows fit the dense tail (worst case %.1f%% slower "
         "than the faster branch on the measured patterns, %s between the measured "
         "points%s)",
-        cutoff, shape.m, shape.h, shape.n, hot_shift, hot_ref, 100 * record["max_regret"],
+        cutoff, shape.m, shape.h, shape.n, shifts, 100 * record["max_regret"],
         "?" if between is None else f"{100 * between:.1f}%", f"; {path}" if path else "",
     )  # fmt: skip
     fitted = {"sparse_l0_cutoff": cutoff, "sparse_hot_shift": rule.sparse_hot_shift}

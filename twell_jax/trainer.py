@@ -90,7 +90,7 @@ RESUME_IGNORE_KEYS = (
     *checkpoint.DEFAULT_IGNORE_KEYS,
     *("mesh_shape", "remat", "sparse_save_residuals", "twell_compression"),
     "grad_accum_steps",
-    *("sparse_switch", "sparse_l0_cutoff"),
+    *("sparse_switch", "sparse_l0_cutoff", "sparse_hot_shift"),
 )
 
 

@@ -111,14 +111,20 @@ def test_sparse_switch_rechecks_every_k_steps():
 
 
 def test_cutoff_moves_with_the_hot_share_between_its_calibrated_shares():
-    cfg = SparsityConfig(sparse_l0_cutoff=57.0, sparse_hot_shift=(0.2, 0.8, 8.0))
-    hot = jnp.array([0.0, 0.2, 0.5, 0.8, 1.0])
-    want = [57.0, 57.0, 61.0, 65.0, 65.0]  # held at the ends
+    cfg = SparsityConfig(sparse_l0_cutoff=57.0, sparse_hot_shift=(0.2, 0.0, 0.6, 2.0, 0.8, 10.0))
+    hot = jnp.array([0.0, 0.2, 0.4, 0.6, 0.7, 0.8, 1.0])
+    want = [57.0, 57.0, 58.0, 59.0, 63.0, 67.0, 67.0]  # linear between knots, held at the ends
     np.testing.assert_allclose(S.l0_cutoff(hot, cfg), want, rtol=1e-6)
 
 
+def test_a_saved_three_value_hot_shift_reads_as_two_knots():
+    old = SparsityConfig(sparse_l0_cutoff=57.0, sparse_hot_shift=(0.2, 0.8, 8.0))
+    assert old.sparse_hot_shift == (0.2, 0.0, 0.8, 8.0)
+    np.testing.assert_allclose(S.l0_cutoff(jnp.array([0.5]), old), [61.0], rtol=1e-6)
+
+
 def test_switch_reads_the_hot_share_and_guards_the_tail():
-    cfg = SparsityConfig(sparse_l0_cutoff=57.0, sparse_hot_shift=(0.0, 0.8, 8.0))
+    cfg = SparsityConfig(sparse_l0_cutoff=57.0, sparse_hot_shift=(0.0, 0.0, 0.8, 8.0))
     # l0 60 runs sparse only when skewed; l0 30 runs dense once its heavy rows
     # overflow the sparse op's dense tail (load above 1: the op would fall back).
     l0 = jnp.array([60.0, 60.0, 30.0, 30.0, 30.0])
@@ -128,7 +134,19 @@ def test_switch_reads_the_hot_share_and_guards_the_tail():
     np.testing.assert_array_equal(got, [False, True, True, True, False])
 
 
-@pytest.mark.parametrize("shares", [(0.5, 0.5), (0.5, 0.2), (-0.1, 0.2)])
-def test_hot_shift_shares_must_be_ordered(shares):
+@pytest.mark.parametrize(
+    "knots",
+    [
+        (0.5, 0.0, 0.5, 3.0),  # shares not ascending
+        (0.5, 0.0, 0.2, 3.0),
+        (-0.1, 0.0, 0.2, 3.0),  # outside [0, 1]
+        (0.0, 0.0, 1.5, 3.0),
+        (0.5, 0.5, 3.0),  # the earlier (low, high, shift) with low = high
+        (0.0, 0.0, 0.5, 3.0, 0.9),  # not pairs
+        (0.0, 0.0, 0.5, float("nan")),
+        (),
+    ],
+)
+def test_hot_shift_knots_must_be_ordered_pairs(knots):
     with pytest.raises(ValueError, match="sparse_hot_shift"):
-        SparsityConfig(sparse_hot_shift=(*shares, 3.0))
+        SparsityConfig(sparse_hot_shift=knots)

@@ -97,7 +97,7 @@ def test_fit_rule_moves_the_cutoff_with_the_hot_share():
     per_pattern = {"uniform": _pattern(8.0), "skew": _pattern(12.0, hot_share=0.5)}
     rule = switch_cost.fit_rule(per_pattern, per_pattern["uniform"]["l0"])
     assert rule["cutoff"] == pytest.approx(8.0)
-    np.testing.assert_allclose(rule["hot_shift"], [0.0, 0.5, 4.0], rtol=1e-6)
+    np.testing.assert_allclose(rule["hot_shift"], [0.0, 0.0, 0.5, 4.0], rtol=1e-6)
     # Each pattern gets its own crossover: nothing is decided wrongly, where any one l0
     # cutoff is wrong for one of the two.
     sp = switch_cost.rule_config(rule)
@@ -142,8 +142,36 @@ def test_regret_between_points_keeps_the_fallback_a_step():
 def test_fit_rule_without_hot_entries_is_a_plain_cutoff():
     per_pattern = {"uniform": _pattern(8.0), "skew": _pattern(12.0)}  # no hot entries
     rule = switch_cost.fit_rule(per_pattern, per_pattern["uniform"]["l0"])
-    assert rule["hot_shift"] == [0.0, 1.0, 0.0]
+    assert rule["hot_shift"] == [0.0, 0.0]
     assert switch_cost.rule_config(rule).sparse_l0_cutoff == pytest.approx(8.0)
+
+
+def test_fit_rule_puts_a_knot_at_each_skews_crossover():
+    """The shift is not linear in the hot share: a mild skew (share 0.6) moves the
+    crossover by 1, a strong one (0.9) by 10. With a knot for each, a layer between
+    them gets a cutoff between them; a straight line from uniform to the strong skew
+    alone gives the mild one +6.7 and runs it sparse where it is slower."""
+    per_pattern = {
+        "uniform": _pattern(8.0),
+        "skew": _pattern(18.0, hot_share=0.9),
+        "skew:0.5": _pattern(9.0, hot_share=0.6),
+    }
+    rule = switch_cost.fit_rule(per_pattern, per_pattern["uniform"]["l0"])
+    np.testing.assert_allclose(rule["hot_shift"], [0.0, 0.0, 0.6, 1.0, 0.9, 10.0], rtol=1e-6)
+    sp = switch_cost.rule_config(rule)
+    assert switch_cost.max_regret_between(per_pattern, sp) == pytest.approx(0.0, abs=0.02)
+    line = switch_cost.rule_config({"cutoff": 8.0, "hot_shift": [0.0, 0.0, 0.9, 10.0]})
+    assert switch_cost.max_regret_between(per_pattern, line) > 0.5
+    # A skew whose share at its crossover is below the uniform one's adds no knot.
+    flat = {**per_pattern, "skew:0.5": _pattern(9.0, hot_share=0.0)}
+    assert switch_cost.fit_rule(flat, flat["uniform"]["l0"])["hot_shift"] == pytest.approx(
+        [0.0, 0.0, 0.9, 10.0]
+    )
+
+
+def test_rule_config_reads_the_earlier_three_value_shift():
+    sp = switch_cost.rule_config({"cutoff": 20.0, "hot_shift": [0.2, 0.8, 6.0]})
+    assert sp.sparse_hot_shift == (0.2, 0.0, 0.8, 6.0)
 
 
 def _sparse_cfg(**sparsity):
@@ -154,7 +182,7 @@ def _sparse_cfg(**sparsity):
 def _fake_measure(calls):
     def measure(shape):
         calls.append(shape)
-        return {"cutoff": 12.5, "hot_shift": [0.1, 0.6, 3.0], "max_regret": 0.01,
+        return {"cutoff": 12.5, "hot_shift": [0.1, 0.0, 0.6, 3.0], "max_regret": 0.01,
                 "shape": dataclasses.asdict(shape)}  # fmt: skip
 
     return measure
@@ -166,7 +194,7 @@ def test_measures_once_then_reads_the_workdir(tmp_path):
     kw = dict(can_measure=True, measure_fn=_fake_measure(calls))
     out = switch_cost.resolve_cutoff(cfg, str(tmp_path), 1024, **kw)
     assert out.sparsity.sparse_l0_cutoff == 12.5
-    assert out.sparsity.sparse_hot_shift == (0.1, 0.6, 3.0)
+    assert out.sparsity.sparse_hot_shift == (0.1, 0.0, 0.6, 3.0)
     assert calls == [switch_cost.LayerShape(1024, 128, 512, cfg.model.sparse_ell_width)]
     saved = json.loads((tmp_path / switch_cost.FILE_NAME).read_text())
     assert list(saved) == [calls[0].key()]
