@@ -107,6 +107,9 @@ def _check_inputs(qkv, cos, sin, cache_k, cache_v, slot, pad, n_heads: int) -> N
             raise ValueError(f"{name} must be [B, head_dim / 2] = [{b}, {d // 2}], got {a.shape}")
     if jnp.shape(slot) != () or not jnp.issubdtype(jnp.result_type(slot), jnp.integer):
         raise ValueError(f"slot must be an integer scalar, got shape {jnp.shape(slot)}")
+    t = cache_k.shape[1]
+    if not isinstance(slot, jax.core.Tracer) and not 0 <= int(slot) < t:
+        raise ValueError(f"slot must be in [0, T) = [0, {t}), got {int(slot)}")
 
 
 def check_heads_and_caches(dtype, cache_k, cache_v, pad, n_heads: int) -> None:
@@ -360,7 +363,10 @@ def decode_attention(
         heads, then k's, then v's; not rotated).
       cos, sin: [B, D / 2] fp32 RoPE angles of each row's position.
       cache_k, cache_v: [B, T, nKV, D] in qkv's dtype; the new key / value go to `slot`.
-      slot: int32 scalar, the cache slot of the new tokens (the same for every row).
+      slot: int32 scalar, the cache slot of the new tokens (the same for every row), in
+        [0, T). A traced slot past the cache is clamped to T - 1 on every path, as
+        `lax.dynamic_update_slice` clamps it in XLA's; the kernel must not write into
+        the next row's cache.
       pad: int32 [B], each row's first real slot: row b attends to slots pad[b]..slot.
       n_heads: query heads (a multiple of nKV: grouped-query attention).
       impl: "auto", "pallas", "interpret" or "xla" (module docstring).
@@ -371,11 +377,13 @@ def decode_attention(
       (in place when donated).
 
     Raises:
-      ValueError: shapes or dtypes that do not match, an unknown impl, or a kernel impl
-        asked for a dtype other than bf16 or a shape the kernel cannot run.
+      ValueError: shapes or dtypes that do not match, a concrete slot outside [0, T),
+        an unknown impl, or a kernel impl asked for a dtype other than bf16 or a shape
+        the kernel cannot run.
     """
     _check_inputs(qkv, cos, sin, cache_k, cache_v, slot, pad, n_heads)
     b, t, kv, d = cache_k.shape
+    slot = jnp.clip(slot, 0, t - 1)
     reason = config.unsupported(d, n_heads // kv, b * t * kv * d)
     impl = tr.resolve_impl(impl, qkv.dtype, reason, "qkv")
     if impl == "xla":

@@ -150,6 +150,26 @@ def test_kernel_donated_in_a_loop_matches_xla():
     assert np.abs(np.asarray(got[2]) - np.asarray(want[2])).max() <= 4 * 4.0 / 128
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_traced_slot_past_the_cache_writes_only_its_rows_last_slot(impl):
+    """A slot past T that only a trace knows is clamped to T - 1, as XLA's update is:
+    the kernel writes no other row's cache (row b's slot T is row b + 1's slot 0 in
+    the kernel's flat layout)."""
+    impl, config = impl
+    b, t, n_heads, kv, d = 2, 24, 4, 2, 16
+    case = make_case(3, b, t, n_heads, kv, d)
+    pad = jnp.asarray([0, 4], jnp.int32)
+    run = jax.jit(functools.partial(decode_attention, n_heads=n_heads, impl=impl, config=config))
+    o, ck, cv = run(*case, jnp.int32(t + 3), pad)
+    want_o, k_new, v_new = reference(*case, t - 1, np.asarray(pad), n_heads)
+    want_k, want_v = np.asarray(case[3], np.float32), np.asarray(case[4], np.float32)
+    want_k[:, t - 1], want_v[:, t - 1] = k_new, v_new
+    np.testing.assert_array_equal(np.asarray(ck, np.float32), want_k)
+    np.testing.assert_array_equal(np.asarray(cv, np.float32), want_v)
+    bound = np.abs(want_v).max() / 128
+    assert np.abs(np.asarray(o, np.float32) - want_o).max() <= bound
+
+
 def _args(b=2, t=8, n_heads=4, kv=2, d=16, dtype=jnp.bfloat16):
     return (
         jnp.zeros((b, (n_heads + 2 * kv) * d), dtype),
@@ -171,8 +191,19 @@ def _args(b=2, t=8, n_heads=4, kv=2, d=16, dtype=jnp.bfloat16):
         (lambda a: (*a[:3], a[3].astype(jnp.float32), a[4].astype(jnp.float32), *a[5:]), "dtype"),
         (lambda a: (*a[:5], jnp.zeros((2,), jnp.int32), a[6]), "slot must be"),
         (lambda a: (*a[:6], jnp.zeros((3,), jnp.int32)), "pad must be"),
+        (lambda a: (*a[:5], jnp.int32(8), a[6]), r"slot must be in \[0, T\) = \[0, 8\)"),
+        (lambda a: (*a[:5], -1, a[6]), "slot must be in"),
     ],
-    ids=["qkv_width", "cos_shape", "cache_shapes", "cache_dtype", "slot_shape", "pad_shape"],
+    ids=[
+        "qkv_width",
+        "cos_shape",
+        "cache_shapes",
+        "cache_dtype",
+        "slot_shape",
+        "pad_shape",
+        "slot_past_cache",
+        "slot_negative",
+    ],
 )
 def test_bad_inputs_raise(change, message):
     with pytest.raises(ValueError, match=message):
