@@ -208,7 +208,8 @@ def _gate_up_down_kernel(x_ref, wg_ref, wu_ref, wd_ref, part_ref, counts_ref, bc
 
     # relu that keeps NaN, as jax.nn.relu does (Triton's maximum drops it)
     g = jnp.where(g32 <= 0, 0, g32).astype(_BF16)
-    counts = jnp.sum(jnp.where(g != 0, 1, 0), axis=0)  # NaN != 0: read, propagates
+    # NaN != 0: read, propagates. Padding rows are zeros, but 0 * inf is NaN: masked.
+    counts = jnp.sum(jnp.where((g != 0) & row_ok[:, None], 1, 0), axis=0)
     active = jnp.where(counts > 0, 1, 0)
     n_active = jnp.sum(active)
     counts_ref[neurons] = counts

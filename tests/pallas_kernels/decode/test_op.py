@@ -211,6 +211,18 @@ def test_nan_gate_weight_propagates(impl):
     assert np.isnan(np.asarray(reference.gated_mlp(x, wg, wu, wd), np.float32)).all()
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_inf_gate_weight_counts_only_real_rows(impl):
+    """An inf in w_gate makes 0 * inf = NaN on the kernels' zero padding rows (M = 3 runs
+    as 16): the stats count the call's rows only, as the jnp path does."""
+    x, wg, wu, wd = controlled_mlp(6, first_k_active(3, N, 6))
+    wg = wg.at[300, 1].set(jnp.inf)
+    _, stats = run(impl, x, wg, wu, wd)
+    # 6 entries by construction, and neuron 300 in each of the 3 rows: x[:, 1] is
+    # one-hot, so row 1's gate there is inf and the others' 0 * inf = NaN (read, counted)
+    assert float(stats.l0) == 3.0 and int(stats.active_neurons) == 7
+
+
 def test_fp32_inputs():
     x, wg, wu, wd = (a.astype(jnp.float32) for a in normal_mlp(9, 3, 4.0))
     out, stats = run(("xla", SMALL), x, wg, wu, wd)
