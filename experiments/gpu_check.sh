@@ -74,10 +74,10 @@ for what in "${@:-all}"; do
     switch)  # the per-layer switch's rule at the 2B and 125M layer shapes, judged on held-out patterns
       python3 -m experiments.benchmark --mode=switch --model_presets=2b --train_tokens=16384 \
         --reps=10 --switch_l0_grid=2,4,8,16,24,32,40,48,56,64,80,96 \
-        --switch_holdout=skew:0.75,skew:1.5,heavy_rows:0.2 --out="$OUT/switch_2b_m16384_${CARD}.json" || status=1
+        --switch_holdout=skew:0.75,skew:1.25,heavy_rows:0.2 --out="$OUT/switch_2b_m16384_${CARD}.json" || status=1
       python3 -m experiments.benchmark --mode=switch --model_presets=125m --train_tokens=32768 \
         --reps=10 --switch_l0_grid=2,3,4,6,8,12,16,24,32,40,48,56,64,80,96 \
-        --switch_holdout=skew:0.75,skew:1.5,heavy_rows:0.2 --out="$OUT/switch_125m_m32768_${CARD}.json" || status=1 ;;
+        --switch_holdout=skew:0.75,skew:1.25,heavy_rows:0.2 --out="$OUT/switch_125m_m32768_${CARD}.json" || status=1 ;;
     captured)  # two 125M L1 runs (dense FFNs), their neuron profiles, the op on their layers
       for lam in ${L1_SWEEP:-2e-4 1e-3}; do
         run="/tmp/runs/125m_captured_$lam"
