@@ -51,6 +51,9 @@ def _parse(text: str, current: Any, hint: Any) -> Any:
         return text.lower() in ("true", "1")
     if isinstance(current, tuple):
         parts = text.split(",")
+        args = typing.get_args(hint)
+        if len(args) == 2 and args[1] is Ellipsis:  # tuple[X, ...]: any length
+            return tuple(_convert(x, args[0]) for x in parts)
         if len(parts) != len(current):
             kinds = "/".join(sorted({type(c).__name__ for c in current}))
             raise ValueError(

@@ -31,6 +31,19 @@ def test_string_overrides_take_the_field_type():
         overrides.with_overrides(cfg, {"model.ffn_impl": "twell", "model.d_ff": 300})
 
 
+def test_a_tuple_of_any_length_takes_any_number_of_values():
+    """sparse_hot_shift's knots (tuple[float, ...]) are pairs, as many as wanted; a
+    fixed-length tuple (betas) still needs its length."""
+    cfg = C.train_preset("tiny")
+    knots = "0,0,0.6,2,0.9,16"
+    other = overrides.with_overrides(cfg, {"sparsity.sparse_hot_shift": knots})
+    assert other.sparsity.sparse_hot_shift == (0.0, 0.0, 0.6, 2.0, 0.9, 16.0)
+    with pytest.raises(ValueError, match=r"sparse_hot_shift='0,0,x': expected a float"):
+        overrides.with_overrides(cfg, {"sparsity.sparse_hot_shift": "0,0,x"})
+    with pytest.raises(ValueError, match=r"sparse_hot_shift=.*needs finite \(share, shift\) pairs"):
+        overrides.with_overrides(cfg, {"sparsity.sparse_hot_shift": "0,0,0.5,1,2"})
+
+
 def test_assignments_split_at_the_first_equals_sign():
     items = ["model.d_ff=1024", " optim.betas = 0.9,0.99", "model.d_ff=2048", "x.y=a=b"]
     assert overrides.parse_assignments(items) == {
