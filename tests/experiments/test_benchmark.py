@@ -200,6 +200,8 @@ def test_the_switch_mode_runs_at_one_rep(tmp_path):
     assert res["command"].startswith("python -m experiments.benchmark --mode=switch")
     (case,) = res["cases"]
     assert case["preset"] == "tiny" and json.loads(proc.stdout.splitlines()[-1])["preset"]
+    assert list(case["patterns"]) == ["uniform", "skew", "skew:0.5", "heavy_rows"]
+    assert len(case["hot_shift"]) % 2 == 0
 
 
 def test_the_tune_mode_prints_json_lines(capsys):
