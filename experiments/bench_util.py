@@ -314,9 +314,6 @@ def per_layer_profile(fn, *args, layers: int) -> dict:
     }
 
 
-EXIT_REFUSED = 2
-
-
 def write_cases(doc: str, cases: dict, out: str, command: str = "") -> None:
     """Writes {"measures": doc's third paragraph, "command", "cases", "device", "jax"} as
     JSON to `out` (nothing when empty): the record of a standalone benchmark module."""
@@ -343,14 +340,14 @@ def main_writing_cases(doc: str, run: Callable[[], dict]) -> None:
 
     def main(argv):
         if not entry_points.start_cli(argv):
-            return EXIT_REFUSED
+            return entry_points.EXIT_REFUSED
         try:
             entry_points.check_output_file("out", out.value)
             if jax.default_backend() != "gpu":
                 raise ValueError("times the GPU's kernels (busy time, launches) and needs a GPU")
         except (FileNotFoundError, ValueError) as e:
             logging.error("refused: %s", e)
-            return EXIT_REFUSED
+            return entry_points.EXIT_REFUSED
         spec = getattr(sys.modules["__main__"], "__spec__", None)  # run with -m
         module = spec.name if spec else sys.argv[0]
         write_cases(doc, run(), out.value, entry_points.command_line(module))

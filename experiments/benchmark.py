@@ -67,7 +67,6 @@ from experiments import (
 from twell_jax.synthetic import PATTERNS
 
 FLAGS = flags.FLAGS
-EXIT_REFUSED = 2
 flags.DEFINE_enum(
     "mode",
     "kernel",
@@ -268,11 +267,11 @@ def _print_records(records: list[dict]) -> None:
 
 def main(argv):
     if not entry_points.start_cli(argv):
-        return EXIT_REFUSED
+        return entry_points.EXIT_REFUSED
     why = checks.refusal()
     if why:  # absl's UsageError would print the whole --help first
         logging.error("refused: %s", why)
-        return EXIT_REFUSED
+        return entry_points.EXIT_REFUSED
     if jax.default_backend() == "cpu":
         logging.warning("--mode=%s on the CPU: CPU timings say nothing about GPU speed", FLAGS.mode)
     tokens = [int(t) for t in FLAGS.tokens]

@@ -100,7 +100,7 @@ def holdout() -> dict[str, tuple[str, float]]:
 
 def _check_workdirs(flag: str, *workdirs: str) -> None:
     """Each pretrain workdir of --flag has checkpoints and its corpus is here
-    (`_runs_data_dir`).
+    (`runs_data_dir`).
 
     Raises:
       FileNotFoundError, ValueError: naming the workdir or the corpus.

@@ -84,7 +84,6 @@ def define_flags() -> None:
 
 
 IMPLS = ("dense", "sparse")
-EXIT_REFUSED = 2
 # The child's exit status when the step does not fit in device memory.
 OUT_OF_MEMORY = 3
 _OOM_MARKS = ("RESOURCE_EXHAUSTED", "OUT OF MEMORY", "OUT_OF_MEMORY")
@@ -384,11 +383,11 @@ def refusal() -> str | None:
 
 def main(argv):
     if not entry_points.start_cli(argv):
-        return EXIT_REFUSED
+        return entry_points.EXIT_REFUSED
     why = refusal()
     if why:  # absl's UsageError would print the whole --help first
         logging.error("refused: %s", why)
-        return EXIT_REFUSED
+        return entry_points.EXIT_REFUSED
     impls = FLAGS.ffn_impls
     given = {
         f.name: getattr(FLAGS, _FLAG_OF.get(f.name, f.name)) for f in dataclasses.fields(Probe)

@@ -15,12 +15,10 @@ from absl import app
 
 from experiments import benchmark_train, entry_points
 
-EXIT_REFUSED = 2
-
 
 def main(argv) -> int:
     if not entry_points.start_cli(argv):
-        return EXIT_REFUSED
+        return entry_points.EXIT_REFUSED
     (rec,) = benchmark_train.run(
         M=16384, H=2048, N=5632, nnz_targets=(29.0,), reps=1, heavy_rows=3000, breakdown=False
     )

@@ -13,6 +13,9 @@ from pathlib import Path
 
 from absl import logging
 
+# The exit status of every entry point that refuses its flags or inputs in one line.
+EXIT_REFUSED = 2
+
 
 def keep_log_record(record: py_logging.LogRecord) -> bool:
     """The entry points' absl handler filter: every warning and error, and the INFO

@@ -70,8 +70,6 @@ _VOCAB_LIMIT = flags.DEFINE_integer("vocab_limit", None, "Draw only ids below th
 _ADD_BOS = flags.DEFINE_bool("add_bos", True, "Prefix text prompts of --hf_dir with BOS.")
 _OUTPUT_JSON = flags.DEFINE_string("output_json", None, "Write ids and text here.")
 
-EXIT_REFUSED = 2
-
 
 def _ids(text: str, what: str) -> list[int]:
     try:
@@ -222,12 +220,12 @@ def run() -> dict:
 
 def main(argv):
     if not entry_points.start_cli(argv):
-        return EXIT_REFUSED
+        return entry_points.EXIT_REFUSED
     try:
         record = run()
     except (FileNotFoundError, ValueError, ImportError) as e:
         logging.error("refused: %s", e)
-        return EXIT_REFUSED
+        return entry_points.EXIT_REFUSED
     if _OUTPUT_JSON.value:
         with open(_OUTPUT_JSON.value, "w") as f:
             json.dump(record, f)

@@ -39,8 +39,6 @@ _DATA_DIR = flags.DEFINE_string(
 _DTYPE = flags.DEFINE_enum("dtype", None, DTYPES, "Tensor dtype (default: the run's params).")
 _MAX_SHARD_GB = flags.DEFINE_float("max_shard_gb", 5.0, "Largest safetensors file, in GB.")
 
-EXIT_REFUSED = 2
-
 
 def convert(workdir: str, to_hf_dir: str, data_dir: str | None, dtype: str | None) -> list:
     """Writes the HF directory; returns the files written."""
@@ -67,12 +65,12 @@ def convert(workdir: str, to_hf_dir: str, data_dir: str | None, dtype: str | Non
 
 def main(argv):
     if not entry_points.start_cli(argv):
-        return EXIT_REFUSED
+        return entry_points.EXIT_REFUSED
     try:
         files = convert(_WORKDIR.value, _TO_HF_DIR.value, _DATA_DIR.value, _DTYPE.value)
     except (FileNotFoundError, FileExistsError, ValueError) as e:
         logging.error("refused: %s", e)
-        return EXIT_REFUSED
+        return entry_points.EXIT_REFUSED
     for f in files:
         print(f)
     return 0

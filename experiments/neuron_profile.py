@@ -34,8 +34,6 @@ _DATA_DIR = flags.DEFINE_string(
 _BATCH = flags.DEFINE_integer("batch", 8, "Validation sequences to profile.")
 _OUT = flags.DEFINE_string("out", None, "Also write the records as JSON here.")
 
-EXIT_REFUSED = 2
-
 
 def run(workdir: str, data_dir: str | None, batch: int) -> dict:
     """{"workdir", "step", "tokens", "layers": [profile record per layer]}; the tokens
@@ -56,7 +54,7 @@ def run(workdir: str, data_dir: str | None, batch: int) -> dict:
 
 def main(argv):
     if not entry_points.start_cli(argv):
-        return EXIT_REFUSED
+        return entry_points.EXIT_REFUSED
     try:
         if _BATCH.value < 1:
             raise ValueError(f"--batch={_BATCH.value}: must be at least 1")
@@ -64,7 +62,7 @@ def main(argv):
         result = run(_WORKDIR.value, _DATA_DIR.value, _BATCH.value)
     except (FileNotFoundError, ValueError) as e:
         logging.error("refused: %s", e)
-        return EXIT_REFUSED
+        return entry_points.EXIT_REFUSED
     print(f"{result['workdir']} at step {result['step']}, {result['tokens']} tokens")
     print(neuron_profile.table(result["layers"]))
     if _OUT.value:

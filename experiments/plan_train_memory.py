@@ -51,7 +51,6 @@ from experiments import compile_only, entry_points
 
 FLAGS = flags.FLAGS
 IMPLS = ("dense", "sparse")
-EXIT_REFUSED = 2
 _COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 # A temporaries' buffer line of XLA's buffer-assignment dump.
 _VALUE = re.compile(r"value: <\d+ (\S+) @0> \(size=(\d+),offset=(\d+)\): (\S+)")
@@ -186,7 +185,7 @@ def _refusal(impls, batches, target: pathlib.Path) -> str | None:
 
 def main(argv) -> int:
     if not entry_points.start_cli(argv):
-        return EXIT_REFUSED
+        return entry_points.EXIT_REFUSED
     dump_dir = tempfile.mkdtemp(prefix="plan_train_memory_")
     # Before JAX starts: no GPU backend is wanted (the compile-only devices need none),
     # the plugin would check its CUDA libraries against a GPU it would not find, and
@@ -213,7 +212,7 @@ def _plan_all(dump_dir: str) -> int:
     reason = _refusal(FLAGS.ffn_impls, FLAGS.batches, target)
     if reason:
         logging.error("refused: %s", reason)
-        return EXIT_REFUSED
+        return entry_points.EXIT_REFUSED
     import jax
 
     from twell_jax import sharding

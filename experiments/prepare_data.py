@@ -58,8 +58,6 @@ _VAL_FRACTION = flags.DEFINE_float("val_fraction", 0.01, "Fraction of documents 
 _SHARD_TOKENS = flags.DEFINE_integer("shard_tokens", corpus.DEFAULT_SHARD_TOKENS, "Tokens/shard.")
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace an existing prepared corpus.")
 
-EXIT_REFUSED = 2
-
 
 def _documents():
     """A fresh iterator over the selected corpus (BPE training reads it once more)."""
@@ -125,11 +123,11 @@ def _warn_if_too_small_to_train(data_dir: str) -> None:
 
 def main(argv):
     if not entry_points.start_cli(argv):
-        return EXIT_REFUSED
+        return entry_points.EXIT_REFUSED
     source = ",".join(_INPUTS.value) or f"stdlib:{documents.stdlib_root()}"
     if (Path(_DATA_DIR.value) / corpus.META_FILE).exists() and not _OVERWRITE.value:
         logging.error("refused: %s is already prepared; pass --overwrite", _DATA_DIR.value)
-        return EXIT_REFUSED
+        return entry_points.EXIT_REFUSED
     created = _first_missing(Path(_DATA_DIR.value))
     try:
         meta = _prepare(source)
@@ -139,7 +137,7 @@ def main(argv):
         if created:
             shutil.rmtree(created, ignore_errors=True)
         logging.error("refused: %s", e)
-        return EXIT_REFUSED
+        return entry_points.EXIT_REFUSED
     logging.info("wrote %s/%s", _DATA_DIR.value, corpus.META_FILE)
     print(corpus.summary(meta))
     _warn_if_too_small_to_train(_DATA_DIR.value)

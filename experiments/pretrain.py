@@ -139,8 +139,7 @@ _SKIP_NONFINITE = flags.DEFINE_integer(
     lower_bound=0,
 )
 
-EXIT_REFUSED = 2
-# What a run refuses to do (exit EXIT_REFUSED, one line, no traceback).
+# What a run refuses to do (exit entry_points.EXIT_REFUSED, one line, no traceback).
 REFUSALS = (
     run_guards.WorkdirLockedError,
     run_guards.ScheduleChangeError,
@@ -267,7 +266,7 @@ def resolve_config() -> config_lib.TrainConfig:
 
 def main(argv):
     if not entry_points.start_cli(argv):
-        return EXIT_REFUSED
+        return entry_points.EXIT_REFUSED
     if _DISTRIBUTED.value:
         jax.distributed.initialize(  # before any other JAX call; None: auto-detect
             _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value
@@ -276,7 +275,7 @@ def main(argv):
         cfg = resolve_config()
     except ValueError as e:  # absl's UsageError would print the whole --help first
         logging.error("refused: %s", e)
-        return EXIT_REFUSED
+        return entry_points.EXIT_REFUSED
     workdir = _WORKDIR.value or f"runs/{_PRESET.value}"
     logging.info(
         "preset %s, workdir %s, data_dir %s, resume %s",
@@ -293,7 +292,7 @@ def main(argv):
         corpus.load_meta(_DATA_DIR.value)
     except (FileNotFoundError, ValueError) as e:
         logging.error("refused: %s", e)
-        return EXIT_REFUSED
+        return entry_points.EXIT_REFUSED
     try:  # the workdir's record may name the HF source without the flag
         cfg, init_from_hf = hf_init.prepare(
             cfg, _INIT_FROM_HF.value, explicit_fields(), workdir, _DATA_DIR.value
@@ -307,7 +306,7 @@ def main(argv):
         checked = trainer.check_run(cfg, _DATA_DIR.value)
     except (FileNotFoundError, ValueError) as e:
         logging.error("refused: %s", e)
-        return EXIT_REFUSED
+        return entry_points.EXIT_REFUSED
     origin = f"{init_from_hf} (HF)" if init_from_hf else _PRESET.value
     sp = cfg.sparsity
     opts = trainer.RunOptions(
@@ -329,7 +328,7 @@ def main(argv):
         summary = trainer.run(cfg, opts, checked=checked)
     except REFUSALS as e:
         logging.error("refused: %s", e)
-        return EXIT_REFUSED
+        return entry_points.EXIT_REFUSED
     except run_guards.DivergenceError as e:
         logging.error("diverged: %s", e)
         return EXIT_DIVERGED

@@ -25,8 +25,6 @@ from absl import app, flags, logging
 from experiments import entry_points
 from twell_jax import metrics
 
-EXIT_REFUSED = 2
-
 _BASELINE = flags.DEFINE_string("baseline", None, "metrics.jsonl of the reference run.")
 _PLOT = flags.DEFINE_string(
     "plot", None, "PNG of l0, val CE, tokens/s and sparse layers against step."
@@ -186,7 +184,7 @@ def main(argv: Sequence[str]) -> int:
         records = _read(paths)
     except (FileNotFoundError, ValueError) as e:
         logging.error("refused: %s", e)
-        return EXIT_REFUSED
+        return entry_points.EXIT_REFUSED
     names = list(records)
     baseline = names[paths.index(Path(_BASELINE.value))] if _BASELINE.value else None
     print(table({k: summarize(v) for k, v in records.items()}, baseline))

@@ -14,6 +14,8 @@ from pathlib import Path
 
 from absl import app, logging
 
+from experiments import entry_points
+
 
 def _also(case: dict, key: str, label: str) -> str:
     """ "; <label> 1.234x" when the case has that ratio (older kernel files lack some)."""
@@ -143,9 +145,6 @@ TABLES = {
 }
 
 
-EXIT_REFUSED = 2
-
-
 def render(path: str) -> str:
     """The header line and table of one benchmark output file.
 
@@ -183,7 +182,7 @@ def main(argv):
         tables = [render(path) for path in paths]
     except (OSError, ValueError) as e:
         logging.error("refused: %s", e)
-        return EXIT_REFUSED
+        return entry_points.EXIT_REFUSED
     for table in tables:
         print(table)
         print()

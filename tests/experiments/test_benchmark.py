@@ -11,7 +11,7 @@ import sys
 import pytest
 
 import pallas_kernels
-from experiments import results_table
+from experiments import entry_points, results_table
 from tests.experiments.cli import refusal, run_module
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -126,7 +126,7 @@ def test_the_train_tune_mode_prints_its_records():
 def test_results_table_names_a_file_that_is_not_a_benchmark_output(tmp_path, caplog):
     record = tmp_path / "one_off_ab.json"
     record.write_text('{"command": "python scratch/ab.py", "results": {}}')
-    assert results_table.main(["results_table", str(record)]) == results_table.EXIT_REFUSED
+    assert results_table.main(["results_table", str(record)]) == entry_points.EXIT_REFUSED
     assert re.search(
         r"refused: .*one_off_ab\.json: not a --mode=kernel/train/model/train_model", caplog.text
     )
@@ -221,11 +221,11 @@ def test_the_tune_mode_prints_json_lines(capsys):
 def test_results_table_refuses_a_list_and_a_record_without_its_command(tmp_path, caplog):
     listed = tmp_path / "list.json"
     listed.write_text("[1, 2]")
-    assert results_table.main(["results_table", str(listed)]) == results_table.EXIT_REFUSED
+    assert results_table.main(["results_table", str(listed)]) == entry_points.EXIT_REFUSED
     assert "list.json: not a benchmark output (a JSON list)" in caplog.text
     bare = tmp_path / "bare.json"
     bare.write_text('{"mode": "train", "cases": []}')
-    assert results_table.main(["results_table", str(bare)]) == results_table.EXIT_REFUSED
+    assert results_table.main(["results_table", str(bare)]) == entry_points.EXIT_REFUSED
     assert "bare.json: a --mode=train output without ['command', 'device', 'jax'" in caplog.text
 
 
