@@ -233,8 +233,9 @@ def fit_rule(per_pattern: dict, grid) -> dict:
     crossover, by an amount that is not linear in the hot share, so the shift is
     piecewise linear through one knot per pattern: the uniform pattern's share at the
     base (shift 0), and each skewed pattern's share at its own crossover with that
-    crossover's distance from the base (`sparsity.l0_cutoff`). A knot whose share does
-    not exceed the one before it (sorted by share) is dropped. Heavy rows need no
+    crossover's distance from the base (`sparsity.l0_cutoff`). A pattern whose share
+    there does not exceed the uniform one's adds no knot, nor does one that ties an
+    earlier knot's share. Heavy rows need no
     fitting: the rule's tail guard (`sparsity.sparse_wins`) is where the sparse op
     falls back, and below it heavy rows are not dearer than uniform ones
     (docs/results.md, "Activation patterns").
@@ -248,11 +249,14 @@ def fit_rule(per_pattern: dict, grid) -> dict:
     uniform = per_pattern["uniform"]
     if "hot_share" not in uniform:
         return {"cutoff": base, "hot_shift": list(_NO_SHIFT), "cutoffs": cutoffs}
-    knots = [(max(float(_stat_at(uniform, "hot_share", base)), 0.0), 0.0)]
+    low = max(float(_stat_at(uniform, "hot_share", base)), 0.0)
+    knots = [(low, 0.0)]
     for name, rec in per_pattern.items():
-        if name != "uniform" and "hot_share" in rec:
-            share = float(_stat_at(rec, "hot_share", cutoffs[name]))
-            knots.append((min(share, 1.0), cutoffs[name] - base))
+        if name == "uniform" or "hot_share" not in rec:
+            continue
+        share = min(float(_stat_at(rec, "hot_share", cutoffs[name])), 1.0)
+        if share > low:  # heavy rows (no hot neurons) and mild skews move nothing
+            knots.append((share, cutoffs[name] - base))
     kept = []
     for share, shift in sorted(knots):
         if not kept or share > kept[-1][0]:

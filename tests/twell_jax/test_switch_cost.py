@@ -162,10 +162,20 @@ def test_fit_rule_puts_a_knot_at_each_skews_crossover():
     assert switch_cost.max_regret_between(per_pattern, sp) == pytest.approx(0.0, abs=0.02)
     line = switch_cost.rule_config({"cutoff": 8.0, "hot_shift": [0.0, 0.0, 0.9, 10.0]})
     assert switch_cost.max_regret_between(per_pattern, line) > 0.5
-    # A skew whose share at its crossover is below the uniform one's adds no knot.
+    # A skew whose share at its crossover is not above the uniform one's adds no knot.
     flat = {**per_pattern, "skew:0.5": _pattern(9.0, hot_share=0.0)}
     assert switch_cost.fit_rule(flat, flat["uniform"]["l0"])["hot_shift"] == pytest.approx(
         [0.0, 0.0, 0.9, 10.0]
+    )
+    # Nor do heavy rows (no hot neurons) below a uniform share above 0: their earlier,
+    # tail-driven crossover must not become the shift of a layer without hot neurons.
+    some_hot = {
+        "uniform": _pattern(8.0, hot_share=0.1),
+        "skew": _pattern(18.0, hot_share=0.9),
+        "heavy_rows": _pattern(5.0),
+    }
+    assert switch_cost.fit_rule(some_hot, some_hot["uniform"]["l0"])["hot_shift"] == pytest.approx(
+        [0.1, 0.0, 0.9, 10.0]
     )
 
 
